@@ -1,0 +1,1 @@
+"""The conformance suite every connector runs: a pytest plugin and a report."""

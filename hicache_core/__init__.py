@@ -1,0 +1,1 @@
+"""The HiCache core: host KV pool, three-tier radix tree, cache controller, reference engine."""

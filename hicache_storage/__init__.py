@@ -1,0 +1,68 @@
+"""hicache-storage: the storage-backend SDK for the L3 tier of hierarchical KV caches.
+
+Start with :class:`StorageBackend` (the contract), :mod:`hicache_storage.keys` (page keys) and
+:func:`create_backend` (the registry).
+"""
+
+from hicache_storage.backend import StorageBackend
+from hicache_storage.buffers import RawBuffer
+from hicache_storage.capabilities import Capabilities
+from hicache_storage.config import BackendConfig
+from hicache_storage.errors import (
+    AuthenticationError,
+    BackendClosedError,
+    BackendContractError,
+    BackendUnavailableError,
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    MissingDependencyError,
+    PermanentError,
+    PermissionDeniedError,
+    RetryableError,
+    StorageError,
+    StorageTimeoutError,
+    ThrottledError,
+    UnknownBackendError,
+    UnsupportedOperationError,
+    ValueTooLargeError,
+)
+from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard, hash_page, page_hashes
+from hicache_storage.registry import create_backend, describe_backends, resolve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "BackendClosedError",
+    "BackendConfig",
+    "BackendContractError",
+    "BackendUnavailableError",
+    "Capabilities",
+    "CapacityError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "InvalidKeyError",
+    "KeyScope",
+    "MissingDependencyError",
+    "Namespace",
+    "PageKey",
+    "PermanentError",
+    "PermissionDeniedError",
+    "RawBuffer",
+    "RetryableError",
+    "Shard",
+    "StorageBackend",
+    "StorageError",
+    "StorageTimeoutError",
+    "ThrottledError",
+    "UnknownBackendError",
+    "UnsupportedOperationError",
+    "ValueTooLargeError",
+    "create_backend",
+    "describe_backends",
+    "hash_page",
+    "page_hashes",
+    "resolve",
+]

@@ -1,0 +1,1 @@
+"""Test support shipped with the SDK: real servers on loopback for connector tests and CI."""
