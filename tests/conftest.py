@@ -1,0 +1,51 @@
+"""Shared fixtures: real servers on loopback, started once per test session on first use.
+
+Each server class lives in ``hicache_storage.testing`` and is stopped by PID at the end. A test
+that needs a server it has to kill or freeze starts its own instance instead of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[object]:
+    from hicache_storage.testing.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[object]:
+    from hicache_storage.testing.redis_server import RedisCluster
+
+    cluster = RedisCluster(nodes=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs() -> Iterator[object]:
+    from hicache_storage.testing.seaweedfs import SeaweedFS
+
+    server = SeaweedFS()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[object]:
+    from hicache_storage.testing.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster()
+    master.start()
+    yield master
+    master.stop()
