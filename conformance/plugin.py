@@ -1,0 +1,28 @@
+"""pytest plugin of the conformance suite, loaded through the ``pytest11`` entry point.
+
+Adds the options that pick the backend for ``pytest --pyargs hicache_storage.conformance``, and
+writes the report when ``--hicache-report`` is given.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.register_assert_rewrite("hicache_storage.conformance.suite", "hicache_storage.conformance.stateful")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hicache", "hicache-storage conformance suite")
+    group.addoption("--hicache-backend", help="backend under test: a registered name or 'package.module:Class'")
+    group.addoption("--hicache-config", help="backend config: a JSON object or @path to a json/toml/yaml file")
+    group.addoption("--hicache-wrappers", help="wrapper specs to apply around the backend, as a JSON list")
+    group.addoption("--hicache-report", metavar="STEM", help="write the report to STEM.json and STEM.md")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    stem = config.getoption("--hicache-report", default=None)
+    if stem:
+        from hicache_storage.conformance.report import ReportCollector
+
+        config.pluginmanager.register(ReportCollector(config, stem), "hicache-conformance-report")

@@ -1,0 +1,561 @@
+"""The conformance suite: behaviour every StorageBackend must show, as one pytest base class.
+
+Use it from your own tests::
+
+    from hicache_storage.conformance import ConformanceTests
+
+    class TestMyStore(ConformanceTests):
+        backend = "mystore"                  # registry name or "package.module:Class"
+
+        @pytest.fixture
+        def backend_config(self, my_server):  # a JSON-serializable config
+            return {"url": my_server.url}
+
+or from the command line: ``hicache-storage conformance NAME --config JSON``.
+
+Clauses that need a capability the backend does not declare are skipped with a reason starting
+``unsupported:``; the suite then checks that the operation raises ``UnsupportedOperationError``
+instead. Every test uses a fresh random namespace, so runs against a shared server never
+interfere, and clears it afterwards where the backend can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import pytest
+
+from hicache_storage.backend import StorageBackend
+from hicache_storage.buffers import RawBuffer
+from hicache_storage.capabilities import Capabilities
+from hicache_storage.errors import (
+    BackendClosedError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    UnsupportedOperationError,
+    ValueTooLargeError,
+)
+from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
+from hicache_storage.registry import create_backend
+
+#: Largest ``max_value_size`` the suite writes in full to prove the limit is honest.
+MAX_TESTED_VALUE_SIZE = 64 * 2**20
+
+# Every field of the identity, and a changed value for it: pages must never cross any of them.
+NAMESPACE_VARIANTS: dict[str, Any] = {
+    "model": "other-model",
+    "revision": "rev-2",
+    "kv_dtype": "float8_e4m3fn",
+    "page_size": 32,
+    "layout": "layer_first",
+    "tenant": "tenant-b",
+    "format_version": 2,
+}
+SHARD_VARIANTS: dict[str, Shard] = {
+    "tp_rank": Shard(tp_rank=1, tp_size=2),
+    "tp_size": Shard(tp_rank=0, tp_size=2),
+    "pp_rank": Shard(pp_rank=1, pp_size=2),
+    "pp_size": Shard(pp_rank=0, pp_size=2),
+    "cp_rank": Shard(cp_rank=1, cp_size=2),
+    "cp_size": Shard(cp_rank=0, cp_size=2),
+    "replicated": Shard(replicated=True),
+}
+
+
+def random_hash(rng: random.Random) -> str:
+    return "%064x" % rng.getrandbits(256)
+
+
+def page_bytes(rng: random.Random, size: int, pattern: str = "random") -> bytes:
+    if pattern == "zeros":
+        return bytes(size)
+    if pattern == "ones":
+        return b"\xff" * size
+    if pattern == "counter":
+        return bytes(i % 251 for i in range(size))
+    return rng.randbytes(size)
+
+
+class ConformanceTests:
+    """Subclass with ``backend`` set and a ``backend_config`` fixture; pytest collects the rest."""
+
+    #: Registry name or ``package.module:Class`` of the backend under test.
+    backend: ClassVar[str] = ""
+    #: Wrapper specs applied around the backend (see ``hicache_storage.wrappers.wrap``).
+    wrappers: ClassVar[list[dict[str, Any]] | None] = None
+    #: Capability fields to override for this run: declare an emulator's gaps here, never as
+    #: ``if emulator:`` in a test.
+    capability_overrides: ClassVar[dict[str, Any]] = {}
+    #: Page size used by most clauses, in bytes.
+    page_size_bytes: ClassVar[int] = 4096
+
+    # --- fixtures -----------------------------------------------------------------------------
+
+    @pytest.fixture
+    def backend_name(self) -> str:
+        """The backend under test; defaults to the ``backend`` class attribute."""
+        if not self.backend:
+            pytest.fail(f"{type(self).__name__}.backend is not set: name the backend under test", pytrace=False)
+        return self.backend
+
+    @pytest.fixture
+    def backend_config(self) -> dict[str, Any]:
+        """Override to give the backend's config (JSON-serializable: it is also sent to subprocesses)."""
+        return {}
+
+    @pytest.fixture
+    def backend_wrappers(self) -> list[dict[str, Any]] | None:
+        """Wrapper specs around the backend; defaults to the ``wrappers`` class attribute."""
+        return self.wrappers
+
+    @pytest.fixture
+    def open_backend(
+        self, backend_name: str, backend_config: dict[str, Any], backend_wrappers: list[dict[str, Any]] | None
+    ) -> Iterator[Callable[[], StorageBackend]]:
+        """A factory of backends with the configuration under test; each is closed afterwards."""
+        opened: list[StorageBackend] = []
+
+        def factory() -> StorageBackend:
+            store = self.make_backend(backend_name, backend_config, backend_wrappers)
+            opened.append(store)
+            return store
+
+        yield factory
+        for store in opened:
+            store.close()
+
+    @pytest.fixture
+    def store(self, open_backend: Callable[[], StorageBackend]) -> StorageBackend:
+        return open_backend()
+
+    @pytest.fixture
+    def rng(self, request: pytest.FixtureRequest) -> random.Random:
+        return random.Random(request.node.nodeid)
+
+    @pytest.fixture
+    def namespace(self, store: StorageBackend) -> Iterator[Namespace]:
+        namespace = Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64)
+        yield namespace
+        if store.capabilities.clear and not store.closed:
+            store.clear(namespace)
+
+    @pytest.fixture
+    def scope(self, namespace: Namespace) -> KeyScope:
+        return KeyScope(namespace)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def make_backend(self, name: str, config: dict[str, Any], wrappers: list[dict[str, Any]] | None) -> StorageBackend:
+        store = create_backend(name, config)
+        if wrappers:
+            from hicache_storage.wrappers import wrap
+
+            store = wrap(store, wrappers)
+        if self.capability_overrides:
+            store.capabilities = replace(store.capabilities, **self.capability_overrides)
+        return store
+
+    @staticmethod
+    def require(store: StorageBackend, capability: str) -> None:
+        if not getattr(store.capabilities, capability):
+            pytest.skip(f"unsupported: the backend does not declare {capability}")
+
+    def write(self, store: StorageBackend, keys: list[PageKey], values: list[bytes]) -> None:
+        assert store.put(keys, values) == [True] * len(keys), "put did not store every page"
+
+    # --- round trips --------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("size", [1, 4095, 4096, 65543, 2**20])
+    @pytest.mark.parametrize("pattern", ["zeros", "ones", "counter", "random"])
+    def test_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random, size: int, pattern: str) -> None:
+        keys = [scope.key(random_hash(rng)) for _ in range(3)]
+        values = [page_bytes(rng, size, pattern) for _ in keys]
+        self.write(store, keys, values)
+        assert store.get(keys, size) == values
+
+    def test_roundtrip_segments(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """A page written as K and V halves reads back into any other split of the same bytes."""
+        key = scope.key(random_hash(rng))
+        k_half, v_half = rng.randbytes(3000), rng.randbytes(5192)
+        assert store.put_from([key], [[k_half, memoryview(v_half)]]) == [True]
+        first, second, third = bytearray(100), bytearray(7000), bytearray(1092)
+        assert store.get_into([key], [[first, second, third]]) == [True]
+        assert bytes(first + second + third) == k_half + v_half
+
+    def test_raw_buffer_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """Pages given as (address, size), as SGLang's host pool hands them out."""
+        import ctypes
+
+        key = scope.key(random_hash(rng))
+        data = rng.randbytes(self.page_size_bytes)
+        source = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        target = (ctypes.c_ubyte * len(data))()
+        assert store.put_from([key], [RawBuffer(ctypes.addressof(source), len(data))]) == [True]
+        assert store.get_into([key], [RawBuffer(ctypes.addressof(target), len(data))]) == [True]
+        assert bytes(target) == data
+
+    def test_registered_buffer_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """I/O from and into memory announced with register_buffer (a host pool) is exact."""
+        pool = bytearray(8 * self.page_size_bytes)
+        store.register_buffer(pool)
+        view = memoryview(pool)
+        keys = [scope.key(random_hash(rng)) for _ in range(4)]
+        values = [rng.randbytes(self.page_size_bytes) for _ in keys]
+        size = self.page_size_bytes
+        for i, value in enumerate(values):
+            view[i * size : (i + 1) * size] = value
+        assert store.put_from(keys, [view[i * size : (i + 1) * size] for i in range(4)]) == [True] * 4
+        assert store.get_into(keys, [view[(4 + i) * size : (5 + i) * size] for i in range(4)]) == [True] * 4
+        assert [bytes(view[(4 + i) * size : (5 + i) * size]) for i in range(4)] == values
+
+    # --- per-key results ----------------------------------------------------------------------
+
+    def test_misses_are_per_key(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        keys = [scope.key(random_hash(rng)) for _ in range(6)]
+        written = {0, 2, 3}
+        values = {i: rng.randbytes(self.page_size_bytes) for i in written}
+        self.write(store, [keys[i] for i in sorted(written)], [values[i] for i in sorted(written)])
+        expected = [i in written for i in range(6)]
+        assert store.exists(keys) == expected
+        assert store.get(keys, self.page_size_bytes) == [values.get(i) for i in range(6)]
+
+    def test_batch_order(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        keys = [scope.key(random_hash(rng)) for _ in range(40)]
+        values = [rng.randbytes(512) for _ in keys]
+        self.write(store, keys, values)
+        order = list(range(40))
+        rng.shuffle(order)
+        assert store.get([keys[i] for i in order], 512) == [values[i] for i in order]
+
+    def test_duplicate_keys_in_batch(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        a, b = scope.key(random_hash(rng)), scope.key(random_hash(rng))
+        value_a = rng.randbytes(1024)
+        assert store.put([a, a], [value_a, value_a]) == [True, True]
+        assert store.exists([a, b, a]) == [True, False, True]
+        assert store.get([a, b, a], 1024) == [value_a, None, value_a]
+
+    def test_duplicate_writes_keep_one_whole_value(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        key = scope.key(random_hash(rng))
+        first, second = b"\x01" * 2048, b"\x02" * 2048
+        assert store.put([key, key], [first, second]) == [True, True]
+        assert store.get([key], 2048)[0] in (first, second)
+
+    def test_empty_batches(self, store: StorageBackend) -> None:
+        assert store.exists([]) == []
+        assert store.get_into([], []) == []
+        assert store.put_from([], []) == []
+        assert store.prefix_exists([]) == 0
+
+    def test_result_count_equals_request_count(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """300 pages: more than any sensible max_batch, so the SDK's batch splitting is exercised too."""
+        keys = [scope.key(random_hash(rng)) for _ in range(300)]
+        values = [rng.randbytes(64) for _ in keys]
+        assert len(store.put(keys, values)) == 300
+        assert len(store.exists(keys)) == 300
+        assert store.get(keys, 64) == values
+
+    def test_hooks_never_see_more_than_max_batch(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        limit = store.capabilities.max_batch
+        if limit is None:
+            pytest.skip("unsupported: no max_batch declared, so any batch size is allowed")
+        seen: list[int] = []
+        for hook_name in ("_exists", "_get_into", "_put_from"):
+            hook = getattr(store, hook_name)
+
+            def spy(keys: list[PageKey], *rest: Any, _hook: Any = hook) -> list[bool]:
+                seen.append(len(keys))
+                return _hook(keys, *rest)
+
+            setattr(store, hook_name, spy)
+        keys = [scope.key(random_hash(rng)) for _ in range(2 * limit + 3)]
+        store.put(keys, [b"x" * 16] * len(keys))
+        store.exists(keys)
+        store.get(keys, 16)
+        assert seen and max(seen) <= limit
+
+    # --- SGLang's prefix semantics ------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("missing", "expected"),
+        [((), 10), ((0,), 0), ((4,), 4), ((9,), 9), ((4, 7), 4), (tuple(range(10)), 0)],
+        ids=["no-hole", "hole-at-head", "hole-in-middle", "hole-at-tail", "two-holes", "all-missing"],
+    )
+    def test_prefix_exists(
+        self, store: StorageBackend, scope: KeyScope, rng: random.Random, missing: tuple[int, ...], expected: int
+    ) -> None:
+        keys = [scope.key(random_hash(rng)) for _ in range(10)]
+        present = [k for i, k in enumerate(keys) if i not in missing]
+        if present:
+            self.write(store, present, [b"p" * 128] * len(present))
+        assert store.prefix_exists(keys) == expected
+
+    # --- overwrite, delete, clear -------------------------------------------------------------
+
+    def test_overwrite(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        key = scope.key(random_hash(rng))
+        old, new = rng.randbytes(4096), rng.randbytes(4096)
+        self.write(store, [key], [old])
+        self.write(store, [key], [new])
+        assert store.get([key], 4096) == [new]
+
+    def test_overwrite_with_other_length(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        key = scope.key(random_hash(rng))
+        self.write(store, [key], [rng.randbytes(4096)])
+        new = rng.randbytes(1000)
+        self.write(store, [key], [new])
+        assert store.get([key], 1000) == [new]
+        assert store.get([key], 4096) == [None]
+
+    def test_delete(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        if not store.capabilities.delete:
+            with pytest.raises(UnsupportedOperationError):
+                store.delete([scope.key(random_hash(rng))])
+            pytest.skip("unsupported: delete (checked that it raises UnsupportedOperationError)")
+        keep, gone = scope.key(random_hash(rng)), scope.key(random_hash(rng))
+        self.write(store, [keep, gone], [b"k" * 256, b"g" * 256])
+        assert store.delete([gone]) == [True]
+        assert store.delete([gone]) == [False], "a second delete of the same key must report it absent"
+        assert store.exists([keep, gone]) == [True, False]
+        assert store.get([gone], 256) == [None]
+
+    def test_clear_is_scoped_to_its_namespace(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        other = KeyScope(Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64))
+        if not store.capabilities.clear:
+            with pytest.raises(UnsupportedOperationError):
+                store.clear(scope.namespace)
+            pytest.skip("unsupported: clear (checked that it raises UnsupportedOperationError)")
+        try:
+            mine = [scope.key(random_hash(rng)), scope.with_part("v").key(random_hash(rng))]
+            mine.append(KeyScope(scope.namespace, Shard(tp_rank=1, tp_size=2)).key(random_hash(rng)))
+            theirs = [other.key(random_hash(rng))]
+            self.write(store, mine + theirs, [b"c" * 300] * 4)
+            store.clear(scope.namespace)
+            assert store.exists(mine) == [False, False, False], "clear must remove every shard and part of its namespace"
+            assert store.get(theirs, 300) == [b"c" * 300], "clear removed another namespace's page"
+        finally:
+            store.clear(other.namespace)
+
+    # --- isolation ----------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("field", [*NAMESPACE_VARIANTS, *SHARD_VARIANTS, "part"])
+    def test_isolation(self, store: StorageBackend, scope: KeyScope, rng: random.Random, field: str) -> None:
+        """The same page hash under an identity that differs in one field is another page."""
+        if field in NAMESPACE_VARIANTS:
+            other = KeyScope(replace(scope.namespace, **{field: NAMESPACE_VARIANTS[field]}), scope.shard, scope.part)
+        elif field in SHARD_VARIANTS:
+            other = KeyScope(scope.namespace, SHARD_VARIANTS[field], scope.part)
+        else:
+            other = scope.with_part("v")
+        page_hash = random_hash(rng)
+        mine, theirs = scope.key(page_hash), other.key(page_hash)
+        try:
+            self.write(store, [mine], [b"A" * 1024])
+            assert store.exists([theirs]) == [False]
+            assert store.get([theirs], 1024) == [None]
+            self.write(store, [theirs], [b"B" * 1024])
+            assert store.get([mine, theirs], 1024) == [b"A" * 1024, b"B" * 1024]
+        finally:
+            if store.capabilities.clear and other.namespace != scope.namespace:
+                store.clear(other.namespace)
+
+    # --- exact bytes --------------------------------------------------------------------------
+
+    def test_read_writes_exactly_the_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """Zero-copy reads fill the target and not one byte around it, on hits and on misses."""
+        hit, miss = scope.key(random_hash(rng)), scope.key(random_hash(rng))
+        value = rng.randbytes(4096)
+        self.write(store, [hit], [value])
+        arena = bytearray(b"\xa5" * (3 * 4096))
+        view = memoryview(arena)
+        assert store.get_into([hit, miss], [view[1000:5096], view[6000:10096]]) == [True, False]
+        assert arena[1000:5096] == value
+        assert arena[:1000] == b"\xa5" * 1000
+        assert arena[5096:6000] == b"\xa5" * 904
+        assert arena[10096:] == b"\xa5" * (len(arena) - 10096)
+
+    @pytest.mark.parametrize("delta", [-1, 1])
+    def test_length_mismatch_is_a_miss(self, store: StorageBackend, scope: KeyScope, rng: random.Random, delta: int) -> None:
+        key = scope.key(random_hash(rng))
+        self.write(store, [key], [rng.randbytes(4096)])
+        assert store.get_into([key], [bytearray(4096 + delta)]) == [False]
+
+    # --- concurrency --------------------------------------------------------------------------
+
+    @pytest.mark.slow
+    def test_concurrent_writers_and_readers_never_see_a_torn_page(
+        self, store: StorageBackend, scope: KeyScope, rng: random.Random
+    ) -> None:
+        """Writers store pages whose bytes are all one value; a reader must only ever see such a page."""
+        keys = [scope.key(random_hash(rng)) for _ in range(4)]
+        size = 256 * 1024
+        self.write(store, keys, [bytes(size)] * len(keys))
+        problems: list[str] = []
+        stop = threading.Event()
+
+        def writer(seed: int) -> None:
+            local = random.Random(seed)
+            for round_ in range(30):
+                fill = (seed * 31 + round_) % 255 + 1
+                key = local.choice(keys)
+                store.put([key], [bytes([fill]) * size])
+
+        def reader() -> None:
+            target = bytearray(size)
+            while not stop.is_set():
+                for key in keys:
+                    if store.get_into([key], [target]) == [True] and target.count(target[0]) != size:
+                        problems.append(f"torn page under {key.page_hash[:12]}")
+                        return
+
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        writers = [threading.Thread(target=writer, args=(seed,)) for seed in range(1, 4)]
+        for thread in readers + writers:
+            thread.start()
+        for thread in writers:
+            thread.join(timeout=120)
+        stop.set()
+        for thread in readers:
+            thread.join(timeout=120)
+        assert not any(t.is_alive() for t in readers + writers), "a reader or writer hung"
+        assert problems == []
+
+    def test_concurrent_distinct_keys(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        errors: list[BaseException] = []
+        seeds = [rng.getrandbits(32) for _ in range(4)]
+
+        def worker(seed: int) -> None:
+            local = random.Random(seed)
+            try:
+                keys = [scope.key(random_hash(local)) for _ in range(16)]
+                values = [local.randbytes(2048) for _ in keys]
+                assert store.put(keys, values) == [True] * 16
+                assert store.get(keys, 2048) == values
+            except BaseException as exc:  # reported below, with the thread's assertion
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in seeds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors[0]
+
+    # --- declared capabilities ----------------------------------------------------------------
+
+    def test_capabilities_are_declared(self, store: StorageBackend) -> None:
+        assert isinstance(store.capabilities, Capabilities)
+
+    def test_persistence_across_instances(
+        self, store: StorageBackend, open_backend: Callable[[], StorageBackend], scope: KeyScope, rng: random.Random
+    ) -> None:
+        self.require(store, "persistent")
+        key = scope.key(random_hash(rng))
+        value = rng.randbytes(4096)
+        self.write(store, [key], [value])
+        store.close()
+        reopened = open_backend()
+        assert reopened.get([key], 4096) == [value]
+        if reopened.capabilities.clear:
+            reopened.clear(scope.namespace)
+
+    @pytest.mark.slow
+    def test_visible_across_processes(
+        self,
+        store: StorageBackend,
+        backend_name: str,
+        backend_config: dict[str, Any],
+        backend_wrappers: list[dict[str, Any]] | None,
+        scope: KeyScope,
+        rng: random.Random,
+    ) -> None:
+        self.require(store, "shared_across_processes")
+        ours, theirs = scope.key(random_hash(rng)), scope.key(random_hash(rng))
+        value = rng.randbytes(4096)
+        self.write(store, [ours], [value])
+        request = {
+            "backend": backend_name,
+            "config": backend_config,
+            "wrappers": backend_wrappers,
+            "namespace": scope.namespace.describe(),
+            "read": ours.page_hash,
+            "write": theirs.page_hash,
+            "size": 4096,
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "hicache_storage.conformance.peer"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ},
+        )
+        assert result.returncode == 0, f"peer process failed:\n{result.stderr[-3000:]}"
+        answer = json.loads(result.stdout)
+        assert answer["read"] == value.hex(), "the other process did not read what this one wrote"
+        assert store.get([theirs], 4096) == [bytes.fromhex(answer["wrote"])], "this process did not read the other's page"
+
+    def test_max_value_size_is_honest(self, store: StorageBackend, scope: KeyScope) -> None:
+        limit = store.capabilities.max_value_size
+        if limit is None:
+            pytest.skip("unsupported: no max_value_size declared")
+        key = scope.key("%064x" % 1)
+        with pytest.raises(ValueTooLargeError):
+            store.put([key], [bytes(limit + 1)])
+        if limit > MAX_TESTED_VALUE_SIZE:
+            pytest.skip(f"max_value_size {limit} is above the {MAX_TESTED_VALUE_SIZE} bytes the suite writes in full")
+        assert store.put([key], [bytes(limit)]) == [True]
+        assert store.exists([key]) == [True]
+
+    # --- bad input ----------------------------------------------------------------------------
+
+    def test_rejects_non_key(self, store: StorageBackend) -> None:
+        with pytest.raises(InvalidKeyError):
+            store.exists(["not-a-key"])  # type: ignore[list-item]
+
+    def test_rejects_mismatched_buffers(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        keys = [scope.key(random_hash(rng)) for _ in range(2)]
+        with pytest.raises(InvalidArgumentError):
+            store.put(keys, [b"x"])
+        with pytest.raises(InvalidArgumentError):
+            store.get_into(keys, [bytearray(1)])
+
+    def test_rejects_read_only_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        with pytest.raises(InvalidArgumentError):
+            store.get_into([scope.key(random_hash(rng))], [b"read-only bytes"])
+
+    def test_closed_backend_refuses_calls(self, open_backend: Callable[[], StorageBackend], scope: KeyScope, rng: random.Random) -> None:
+        store = open_backend()
+        store.close()
+        store.close()  # idempotent
+        with pytest.raises(BackendClosedError):
+            store.exists([scope.key(random_hash(rng))])
+
+    # --- model-based --------------------------------------------------------------------------
+
+    @pytest.mark.slow
+    def test_state_machine_matches_dict_model(self, store: StorageBackend, scope: KeyScope) -> None:
+        from hypothesis import HealthCheck, settings
+        from hypothesis.stateful import run_state_machine_as_test
+
+        from hicache_storage.conformance.stateful import make_machine
+
+        run_state_machine_as_test(
+            make_machine(store, scope),
+            settings=settings(
+                max_examples=25,
+                stateful_step_count=20,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
