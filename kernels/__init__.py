@@ -1,1 +1,12 @@
-"""Triton transfer kernels between device and host KV layouts, with a torch fallback."""
+"""Transfers between the device KV (layer-first) and the host KV pool, in any host layout.
+
+``load_layer`` (host -> device, one layer) and ``backup`` (device -> host, all layers) run as one
+Triton kernel launch on CUDA, or as torch ``index_select``/``index_copy_`` elsewhere; see
+``dispatch`` for the selection rules and ``layouts`` for the layouts. Importing this package does
+not import triton.
+"""
+
+from .dispatch import BACKEND_ENV, BACKENDS, backup, load_layer, select_backend
+from .layouts import KVLayout, host_shape
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "KVLayout", "backup", "host_shape", "load_layer", "select_backend"]
