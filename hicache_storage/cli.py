@@ -132,3 +132,7 @@ def run_conformance(args: argparse.Namespace) -> int:
     if not data["ok"]:
         return exit_code or 1
     return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

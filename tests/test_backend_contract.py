@@ -1,0 +1,166 @@
+"""What the StorageBackend base class guarantees to callers, whatever the connector does."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_storage import Capabilities, KeyScope, Namespace, RawBuffer, StorageBackend
+from hicache_storage.buffers import as_segments
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.errors import (
+    BackendClosedError,
+    BackendContractError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    UnsupportedOperationError,
+    ValueTooLargeError,
+)
+
+SCOPE = KeyScope(Namespace("m", "bfloat16", 4))
+
+
+def keys(n, start=0):
+    return [SCOPE.key("%064x" % (start + i + 1)) for i in range(n)]
+
+
+class Recording(MemoryBackend):
+    name = "recording"
+    capabilities = Capabilities(max_batch=3, max_value_size=100)
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.batches = []
+
+    def _exists(self, keys):
+        self.batches.append(len(keys))
+        return super()._exists(keys)
+
+
+class ExistsOnly(StorageBackend):
+    name = "exists-only"
+
+    def _exists(self, keys):
+        return [False] * len(keys)
+
+    def _get_into(self, keys, targets):
+        return [False] * len(keys)
+
+    def _put_from(self, keys, sources):
+        return [True] * len(keys)
+
+
+def test_batches_are_split_to_max_batch():
+    store = Recording()
+    assert store.exists(keys(8)) == [False] * 8
+    assert store.batches == [3, 3, 2]
+
+
+def test_prefix_exists_stops_at_the_first_batch_with_a_miss():
+    store = Recording()
+    ks = keys(9)
+    store.put(ks[:4], [b"x"] * 4)
+    assert store.prefix_exists(ks) == 4
+    assert store.batches == [3, 3], "the third batch must not be asked once the second had a miss"
+
+
+def test_oversized_values_raise_before_reaching_the_connector():
+    store = Recording()
+    with pytest.raises(ValueTooLargeError, match="101 bytes exceeds .* 100 bytes") as info:
+        store.put(keys(1), [bytes(101)])
+    assert info.value.key == keys(1)[0] and info.value.backend == "recording"
+    assert store.exists(keys(1)) == [False]
+
+
+def test_unsupported_operations_raise_one_typed_error():
+    store = ExistsOnly()
+    with pytest.raises(UnsupportedOperationError, match="delete"):
+        store.delete(keys(1))
+    with pytest.raises(UnsupportedOperationError, match="clear"):
+        store.clear(SCOPE.namespace)
+
+
+@pytest.mark.parametrize("results", [[True], [True, True, True], (True, True), [1, 0], None])
+def test_broken_result_lists_are_contract_errors(results):
+    class Broken(ExistsOnly):
+        def _exists(self, keys):
+            return results
+
+    with pytest.raises(BackendContractError, match="exists"):
+        Broken().exists(keys(2))
+
+
+def test_storage_errors_gain_context():
+    class Down(ExistsOnly):
+        name = "down"
+
+        def _get_into(self, keys, targets):
+            raise BackendUnavailableError("connection refused")
+
+    with pytest.raises(BackendUnavailableError) as info:
+        Down().get(keys(1), 4)
+    assert info.value.backend == "down" and info.value.operation == "get"
+    assert info.value.retryable
+    assert "backend=down" in str(info.value)
+
+
+def test_bad_keys_and_buffers():
+    store = MemoryBackend()
+    with pytest.raises(InvalidKeyError):
+        store.exists(["abc"])
+    with pytest.raises(InvalidArgumentError, match="sequence of PageKey"):
+        store.exists(keys(1)[0])
+    with pytest.raises(InvalidArgumentError, match="2 keys but 1 buffers"):
+        store.put(keys(2), [b"x"])
+    with pytest.raises(InvalidArgumentError, match="buffer protocol"):
+        store.put(keys(1), [12345])
+    with pytest.raises(InvalidArgumentError, match="writable"):
+        store.get_into(keys(1), [b"abc"])
+    with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+        store.put(keys(1), [np.arange(16, dtype=np.uint8)[::2]])
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        store.put(keys(1), [torch.arange(16, dtype=torch.uint8)[::2]])
+
+
+def test_buffer_kinds_round_trip_without_copies():
+    store = MemoryBackend()
+    tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    array = np.arange(6, dtype=np.float32)
+    raw_source = (ctypes.c_ubyte * 8).from_buffer_copy(b"rawbytes")
+    ks = keys(3)
+    assert store.put_from(ks, [tensor, [array[:3], array[3:]], RawBuffer(ctypes.addressof(raw_source), 8)]) == [True] * 3
+    out_tensor = torch.zeros(3, 4, dtype=torch.bfloat16)
+    out_array = np.zeros(6, dtype=np.float32)
+    out_raw = (ctypes.c_ubyte * 8)()
+    assert store.get_into(ks, [out_tensor, out_array, RawBuffer(ctypes.addressof(out_raw), 8)]) == [True] * 3
+    assert torch.equal(out_tensor, tensor) and np.array_equal(out_array, array) and bytes(out_raw) == b"rawbytes"
+    # the views alias the caller's memory: a read lands in the tensor itself
+    [view] = as_segments(out_tensor, writable=True)
+    view[0:2] = b"\x00\x00"
+    assert out_tensor[0, 0].item() == 0
+
+
+def test_closed_backend_and_context_manager():
+    with MemoryBackend() as store:
+        store.put(keys(1), [b"x"])
+    assert store.closed
+    with pytest.raises(BackendClosedError):
+        store.get(keys(1), 1)
+
+
+def test_stats_count_what_happened():
+    store = MemoryBackend()
+    store.put(keys(3), [b"abcd"] * 3)
+    store.get(keys(4), 4)
+    store.exists(keys(2))
+    stats = store.stats()
+    assert stats["put_keys"] == 3 and stats["put_stored"] == 3 and stats["bytes_written"] == 12
+    assert stats["get_keys"] == 4 and stats["get_hits"] == 3 and stats["bytes_read"] == 12
+    assert stats["exists_keys"] == 2 and stats["exists_hits"] == 2
+
+
+def test_get_requires_a_size():
+    with pytest.raises(InvalidArgumentError, match="size"):
+        MemoryBackend().get(keys(1), -1)
