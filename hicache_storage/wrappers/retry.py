@@ -1,0 +1,104 @@
+"""Retries with exponential backoff and full jitter, for retryable errors only.
+
+A call that raises a :class:`~hicache_storage.errors.RetryableError` (unavailable, timeout,
+throttled) is tried again after a random pause drawn uniformly from
+``[0, min(cap_seconds, base_seconds * 2**n))`` for the n-th retry ("full jitter": many clients
+hit by the same outage spread out instead of retrying in lockstep). It stops after ``attempts``
+tries in total, or earlier when the next pause would end past ``deadline_seconds`` from the first
+try; the last error is then raised unchanged. Permanent errors, and anything that is not a
+``StorageError``, pass through at once.
+
+Put ``retry`` outside ``timeout`` (``retry(timeout(store))``): the deadline is checked between
+tries, so only a timeout below it bounds how long one try can take.
+
+What retrying means per operation: reads, exists and puts are idempotent (a page key always names
+the same bytes). A delete whose first try removed the page but failed to answer reports ``False``
+on the retry, as if the page had not been there; ``clear`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pydantic
+
+from hicache_storage.buffers import Segments
+from hicache_storage.config import BackendConfig
+from hicache_storage.errors import RetryableError
+from hicache_storage.keys import Namespace, PageKey
+from hicache_storage.wrappers.base import BackendWrapper
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RetryConfig(BackendConfig):
+    attempts: int = pydantic.Field(3, ge=1, le=100, description="tries in total, the first included")
+    base_seconds: float = pydantic.Field(0.05, gt=0, description="pause bound before the first retry; doubles per retry")
+    cap_seconds: float = pydantic.Field(2.0, gt=0, description="largest pause bound between two tries")
+    deadline_seconds: float | None = pydantic.Field(
+        10.0, gt=0, description="no retry whose pause would end later than this after the first try; omit for none"
+    )
+    seed: int | None = pydantic.Field(None, description="seed for the jitter, to replay a run; omit for a random one")
+
+
+class RetryWrapper(BackendWrapper):
+    """Retries retryable errors with backoff; thread-safe (each call keeps its own count)."""
+
+    kind = "retry"
+    Config = RetryConfig
+    extra_stats = ("retries", "retries_exhausted")
+    config: RetryConfig
+
+    def __init__(self, inner: Any, config: RetryConfig | dict[str, Any] | str | None = None) -> None:
+        super().__init__(inner, config)
+        self._rng = random.Random(self.config.seed)
+        # Replaceable for tests that check the schedule without sleeping.
+        self._sleep: Callable[[float], None] = time.sleep
+        self._clock: Callable[[], float] = time.monotonic
+
+    def _exists(self, keys: list[PageKey]) -> list[bool]:
+        return self._retrying("exists", lambda: super(RetryWrapper, self)._exists(keys))
+
+    def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
+        return self._retrying("get", lambda: super(RetryWrapper, self)._get_into(keys, targets))
+
+    def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
+        return self._retrying("put", lambda: super(RetryWrapper, self)._put_from(keys, sources))
+
+    def _delete(self, keys: list[PageKey]) -> list[bool]:
+        return self._retrying("delete", lambda: super(RetryWrapper, self)._delete(keys))
+
+    def _clear(self, namespace: Namespace) -> None:
+        self._retrying("clear", lambda: super(RetryWrapper, self)._clear(namespace))
+
+    def _register_buffer(self, view: memoryview) -> None:
+        self._retrying("register_buffer", lambda: super(RetryWrapper, self)._register_buffer(view))
+
+    def backoff(self, retry: int) -> float:
+        """The pause before retry number ``retry`` (1 for the first retry), with full jitter."""
+        bound = min(self.config.cap_seconds, self.config.base_seconds * 2 ** (retry - 1))
+        return self._rng.uniform(0.0, bound)
+
+    def _retrying(self, operation: str, fn: Callable[[], T]) -> T:
+        deadline = None if self.config.deadline_seconds is None else self._clock() + self.config.deadline_seconds
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                return fn()
+            except RetryableError as exc:
+                pause = self.backoff(tries) if tries < self.config.attempts else None
+                if pause is None or (deadline is not None and self._clock() + pause > deadline):
+                    self._count(retries_exhausted=1)
+                    if hasattr(exc, "add_note"):  # Python 3.11+
+                        exc.add_note(f"{self.name}: gave up after {tries} tr{'y' if tries == 1 else 'ies'}")
+                    raise
+                self._count(retries=1)
+                log.debug("%s %s: %s; retry %d in %.3fs", self.name, operation, exc, tries, pause)
+                self._sleep(pause)
