@@ -44,6 +44,7 @@ from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
     CapacityError,
+    ConfigError,
     MissingDependencyError,
     PermissionDeniedError,
     StorageError,
@@ -469,6 +470,13 @@ class RedisBackend(StorageBackend):
                 f"{where} rejected the credentials ({detail}); check the password (and the user name in the url)",
                 backend=self.name,
                 operation=operation,
+            )
+        if "CERTIFICATE_VERIFY_FAILED" in detail:
+            return ConfigError(
+                f"the TLS certificate of {where} did not verify ({detail}); "
+                "set ssl_ca_certs to the CA bundle that signed it",
+                field="ssl_ca_certs",
+                backend=self.name,
             )
         if isinstance(exc, exceptions.NoPermissionError):
             return PermissionDeniedError(

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +54,9 @@ class RedisServer(ServerProcess):
     """One ``redis-server`` on 127.0.0.1.
 
     ``password`` sets ``requirepass``; ``unix_socket`` also listens on a socket file in the work
-    directory (see :attr:`unix_url`); ``cluster_bus_port`` makes it a cluster node.
+    directory (see :attr:`unix_url`); ``tls`` serves TLS only, with a certificate for 127.0.0.1
+    signed by a throwaway CA (:attr:`ca_path`; :attr:`url` is then ``rediss://``);
+    ``cluster_bus_port`` makes it a cluster node.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class RedisServer(ServerProcess):
         *,
         password: str | None = None,
         unix_socket: bool = False,
+        tls: bool = False,
         cluster_bus_port: int | None = None,
         extra_config: Sequence[str] = (),
         workdir: Path | None = None,
@@ -70,6 +74,8 @@ class RedisServer(ServerProcess):
         self.port = free_port(avoid=[cluster_bus_port] if cluster_bus_port else ())
         self.password = password
         self.unix_path = self.workdir / "redis.sock" if unix_socket else None
+        self.tls = tls
+        self.ca_path = self.workdir / "ca.crt" if tls else None
         self.cluster_bus_port = cluster_bus_port
         self.extra_config = list(extra_config)
         self._started = False
@@ -80,8 +86,8 @@ class RedisServer(ServerProcess):
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``, without the password (tests add it where they mean to)."""
-        return f"redis://{self.address}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS), without the password."""
+        return f"{'rediss' if self.tls else 'redis'}://{self.address}/0"
 
     @property
     def unix_url(self) -> str:
@@ -96,6 +102,8 @@ class RedisServer(ServerProcess):
         port if the chosen one was taken in the meantime; a restart keeps its port.
         """
         ensure_installed()
+        if self.tls and not (self.workdir / "server.crt").exists():
+            _make_certificates(self.workdir)
         attempts = 1 if self._started else 3
         for attempt in range(attempts):
             config = self.workdir / "redis.conf"
@@ -131,7 +139,9 @@ class RedisServer(ServerProcess):
 
     def command(self, *args: str | int, timeout: float = 2.0) -> object:
         """Send one command over a fresh connection (authenticating if needed); the decoded reply."""
-        return redis_command((self.host, self.port), *args, password=self.password, timeout=timeout)
+        return redis_command(
+            (self.host, self.port), *args, password=self.password, timeout=timeout, ca_path=self.ca_path
+        )
 
     def _answers_ping(self) -> bool:
         try:
@@ -141,7 +151,7 @@ class RedisServer(ServerProcess):
 
     def _config_text(self) -> str:
         lines = [
-            f"port {self.port}",
+            *([f"port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]),
             f"bind {self.host}",
             f"dir {self.workdir}",
             "daemonize no",
@@ -151,6 +161,13 @@ class RedisServer(ServerProcess):
         ]
         if self.password is not None:
             lines.append(f"requirepass {self.password}")
+        if self.tls:
+            lines += [
+                f"tls-cert-file {self.workdir / 'server.crt'}",
+                f"tls-key-file {self.workdir / 'server.key'}",
+                f"tls-ca-cert-file {self.ca_path}",
+                "tls-auth-clients no",
+            ]
         if self.unix_path is not None:
             lines += [f"unixsocket {self.unix_path}", "unixsocketperm 700"]
         if self.cluster_bus_port is not None:
@@ -260,12 +277,41 @@ class RedisCluster:
         return healthy
 
 
+def _make_certificates(workdir: Path) -> None:
+    """A throwaway CA (``ca.crt``) and a server certificate for 127.0.0.1 signed by it."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ServiceError("a TLS test server needs the openssl command; apt-get install openssl")
+    (workdir / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        [openssl, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=hicache test CA"],
+        [openssl, "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
+        [openssl, "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.crt", "-days", "2", "-extfile", "san.ext"],
+    ]
+    for argv in steps:
+        done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise ServiceError(f"{' '.join(argv[:3])} failed: {done.stderr[-2000:]}")
+
+
 # --- a minimal RESP client, enough for readiness checks and cluster setup -------------------------
 
 
-def redis_command(address: tuple[str, int], *args: str | int, password: str | None = None, timeout: float = 2.0) -> object:
-    """Send one command and return its reply (str, int, None or list); an error reply raises ServiceError."""
-    with socket.create_connection(address, timeout=timeout) as sock:
+def redis_command(
+    address: tuple[str, int],
+    *args: str | int,
+    password: str | None = None,
+    timeout: float = 2.0,
+    ca_path: Path | None = None,
+) -> object:
+    """Send one command and return its reply (str, int, None or list); an error reply raises ServiceError.
+
+    With ``ca_path`` the connection is TLS, verified against that CA.
+    """
+    with socket.create_connection(address, timeout=timeout) as raw:
+        sock = ssl.create_default_context(cafile=str(ca_path)).wrap_socket(raw, server_hostname=address[0]) if ca_path else raw
         reader = sock.makefile("rb")
         if password is not None:
             sock.sendall(_encode(("AUTH", password)))
