@@ -104,6 +104,8 @@ def load_wrapper_specs(specs: WrapperSpecs) -> list[Mapping[str, Any]]:
 
 def _load_file(path: Path) -> Any:
     suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml", ".yaml", ".yml"):
+        raise ConfigError(f"wrapper file {str(path)!r} must end in .json, .toml, .yaml or .yml", field="wrappers")
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -113,11 +115,9 @@ def _load_file(path: Path) -> Any:
             return json.loads(raw)
         if suffix in (".yaml", ".yml"):
             return yaml.safe_load(raw) or []  # safe_load: a config file never constructs objects
-        if suffix == ".toml":
-            return tomllib.loads(raw.decode())
+        return tomllib.loads(raw.decode())
     except (ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"wrapper file {str(path)!r} is not valid {suffix[1:]}: {exc}", field="wrappers") from None
-    raise ConfigError(f"wrapper file {str(path)!r} must end in .json, .toml, .yaml or .yml", field="wrappers")
 
 
 __all__ = [

@@ -1,0 +1,279 @@
+"""The wrapper base (forwarding, names, stats, errors) and wrap(), the config entry point."""
+
+import json
+
+import pytest
+
+from hicache_storage.buffers import Segments
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.errors import (
+    BackendContractError,
+    BackendUnavailableError,
+    ConfigError,
+    InvalidArgumentError,
+)
+from hicache_storage.keys import KeyScope, Namespace, PageKey
+from hicache_storage.wrappers import (
+    WRAPPERS,
+    BackendWrapper,
+    IntegrityWrapper,
+    MetricsWrapper,
+    RetryWrapper,
+    TimeoutWrapper,
+    find_wrapper,
+    unwrap,
+    wrap,
+)
+
+NAMESPACE = Namespace(model="wrapper-tests", kv_dtype="bfloat16", page_size=16)
+SCOPE = KeyScope(NAMESPACE)
+
+
+def keys(n: int, start: int = 0) -> list[PageKey]:
+    return SCOPE.keys([f"{i:016x}" for i in range(start, start + n)])
+
+
+class RecordingMemory(MemoryBackend):
+    """The memory connector, noting which hooks were reached."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.calls: list[str] = []
+
+    def _exists(self, keys):
+        self.calls.append("exists")
+        return super()._exists(keys)
+
+    def _get_into(self, keys, targets):
+        self.calls.append("get")
+        return super()._get_into(keys, targets)
+
+    def _put_from(self, keys, sources):
+        self.calls.append("put")
+        return super()._put_from(keys, sources)
+
+    def _delete(self, keys):
+        self.calls.append("delete")
+        return super()._delete(keys)
+
+    def _clear(self, namespace):
+        self.calls.append("clear")
+        super()._clear(namespace)
+
+    def _register_buffer(self, view):
+        self.calls.append("register_buffer")
+
+    def _close(self):
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize("kind", sorted(WRAPPERS))
+def test_every_wrapper_forwards_every_operation(kind):
+    inner = RecordingMemory()
+    store = wrap(inner, [{"kind": kind}])
+    page = [b"a" * 64]
+    assert store.put(keys(1), page) == [True]
+    assert store.exists(keys(2)) == [True, False]
+    assert store.get(keys(1), 64) == page
+    store.register_buffer(bytearray(128))
+    assert store.delete(keys(1)) == [True]
+    store.clear(NAMESPACE)
+    store.close()
+    assert {"exists", "get", "put", "delete", "clear", "register_buffer", "close"} <= set(inner.calls)
+    assert inner.closed
+
+
+def test_name_shows_the_chain_innermost_first():
+    inner = MemoryBackend()
+    store = wrap(inner, [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "metrics"}])
+    assert store.name == "metrics(timeout(integrity(memory)))"
+    assert [layer.name for layer in store.layers()] == [
+        "metrics(timeout(integrity(memory)))",
+        "timeout(integrity(memory))",
+        "integrity(memory)",
+        "memory",
+    ]
+    assert unwrap(store) is inner
+    assert unwrap(inner) is inner
+    assert isinstance(find_wrapper(store, TimeoutWrapper), TimeoutWrapper)
+    assert find_wrapper(store, RetryWrapper) is None
+    assert "inner=<MemoryBackend" in repr(store)
+    store.close()
+
+
+def test_capabilities_come_from_the_inner_backend():
+    inner = MemoryBackend({"capacity_bytes": 10_000})
+    inner.capabilities = inner.capabilities.replace(max_batch=5)
+    store = RetryWrapper(inner)
+    assert store.capabilities == inner.capabilities
+    # Batches are split to the inner's limit before any inner hook sees them.
+    seen = []
+    original = inner._put_from
+    inner._put_from = lambda ks, srcs: seen.append(len(ks)) or original(ks, srcs)
+    assert store.put(keys(12), [b"x"] * 12) == [True] * 12
+    assert seen == [5, 5, 2]
+
+
+def test_inner_errors_name_the_inner_backend():
+    class Down(MemoryBackend):
+        def _exists(self, keys):
+            raise BackendUnavailableError("connection refused")
+
+    store = MetricsWrapper(Down())
+    with pytest.raises(BackendUnavailableError) as caught:
+        store.exists(keys(1))
+    assert caught.value.backend == "memory"
+    assert caught.value.operation == "exists"
+
+
+@pytest.mark.parametrize("results", [[True], [True, True, True], [True, 1]], ids=["short", "long", "non-bool"])
+def test_an_inner_breaking_the_result_contract_is_caught(results):
+    class Liar(MemoryBackend):
+        def _exists(self, keys):
+            return results
+
+    # Integrity post-processes results per key: it must not hide a wrong count by zipping.
+    store = IntegrityWrapper(Liar(), {"verify_exists": True})
+    with pytest.raises(BackendContractError) as caught:
+        store.exists(keys(2))
+    assert caught.value.backend == "memory"
+
+
+def test_closed_inner_is_refused_through_the_wrapper():
+    inner = MemoryBackend()
+    store = RetryWrapper(inner)
+    inner.close()
+    with pytest.raises(Exception, match="closed"):
+        store.exists(keys(1))
+
+
+def test_wrapping_something_that_is_not_a_backend_is_refused():
+    with pytest.raises(InvalidArgumentError, match="wraps a StorageBackend"):
+        RetryWrapper({"kind": "memory"})
+
+
+def test_stats_show_every_layers_counters():
+    store = wrap(MemoryBackend(), [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "retry"}])
+    stats = store.stats()
+    for name in ("integrity_miss_checksum", "timeouts", "retries", "get_calls"):
+        assert name in stats
+    store.close()
+
+
+# --- wrap() ---------------------------------------------------------------------------------------
+
+
+SPECS = [{"kind": "retry", "attempts": 2}, {"kind": "metrics", "label": "l3"}]
+
+
+def test_wrap_applies_specs_innermost_first():
+    store = wrap(MemoryBackend(), SPECS)
+    assert isinstance(store, MetricsWrapper) and isinstance(store.inner, RetryWrapper)
+    assert store.inner.config.attempts == 2
+    assert store.label == "l3"
+
+
+def test_wrap_with_nothing_returns_the_backend_itself():
+    inner = MemoryBackend()
+    assert wrap(inner, None) is inner
+    assert wrap(inner, []) is inner
+    assert wrap(inner, "") is inner
+
+
+def test_wrap_accepts_a_json_string():
+    store = wrap(MemoryBackend(), json.dumps(SPECS))
+    assert store.name == "metrics(retry(memory))"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text"),
+    [
+        (".json", json.dumps(SPECS)),
+        (".json", json.dumps({"wrappers": SPECS})),
+        (".yaml", "- kind: retry\n  attempts: 2\n- kind: metrics\n  label: l3\n"),
+        (".toml", '[[wrappers]]\nkind = "retry"\nattempts = 2\n\n[[wrappers]]\nkind = "metrics"\nlabel = "l3"\n'),
+    ],
+    ids=["json-list", "json-object", "yaml", "toml"],
+)
+def test_wrap_reads_a_file(tmp_path, suffix, text):
+    path = tmp_path / f"wrappers{suffix}"
+    path.write_text(text)
+    store = wrap(MemoryBackend(), f"@{path}")
+    assert store.name == "metrics(retry(memory))"
+    assert store.inner.config.attempts == 2
+
+
+def test_unknown_kind_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as caught:
+        wrap(MemoryBackend(), [{"kind": "retry"}, {"kind": "compress"}])
+    message = str(caught.value)
+    assert "wrapper spec #1" in message and "'compress'" in message
+    for kind in WRAPPERS:
+        assert kind in message
+    assert caught.value.field == "wrapper spec #1.kind"
+
+
+def test_missing_kind_is_reported():
+    with pytest.raises(ConfigError, match="no 'kind'; valid kinds"):
+        wrap(MemoryBackend(), [{"seconds": 1}])
+
+
+def test_unknown_key_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as caught:
+        wrap(MemoryBackend(), [{"kind": "timeout", "second": 1}])
+    message = str(caught.value)
+    assert "wrapper spec #0 (timeout)" in message and "'second'" in message
+    assert "valid keys: clear_seconds, seconds, workers" in message
+    assert caught.value.field == "wrapper spec #0.second"
+
+
+def test_bad_value_names_field_value_and_rule():
+    with pytest.raises(ConfigError) as caught:
+        wrap(MemoryBackend(), [{"kind": "retry", "attempts": 0}])
+    assert "attempts=0" in str(caught.value)
+    assert "greater than or equal to 1" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("specs", "match"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"kind": "retry"}', "must be a list"),
+        ([["retry"]], "must be an object"),
+        ("@/nonexistent/wrappers.json", "cannot read wrapper file"),
+        ("@wrappers.ini", "must end in"),
+    ],
+)
+def test_malformed_specs_raise_config_errors(specs, match):
+    with pytest.raises(ConfigError, match=match):
+        wrap(MemoryBackend(), specs)
+
+
+def test_nothing_is_wrapped_when_a_later_spec_is_bad():
+    inner = MemoryBackend()
+    with pytest.raises(ConfigError):
+        wrap(inner, [{"kind": "timeout"}, {"kind": "retry", "bogus": 1}])
+    assert not inner.closed
+    assert wrap(inner, [{"kind": "timeout"}]).inner is inner
+
+
+def test_wrapper_is_a_backend_wrapper():
+    for cls in WRAPPERS.values():
+        assert issubclass(cls, BackendWrapper)
+        assert cls.Config.__name__.endswith("Config")
+
+
+def test_segments_reach_the_inner_unchanged_through_pass_through_wrappers():
+    """Zero-copy wrappers hand the caller's own memory to the connector."""
+    seen: list[Segments] = []
+
+    class Spy(MemoryBackend):
+        def _get_into(self, keys, targets):
+            seen.extend(targets)
+            return super()._get_into(keys, targets)
+
+    store = wrap(Spy(), [{"kind": "retry"}, {"kind": "metrics"}])
+    store.put(keys(1), [b"z" * 32])
+    target = bytearray(32)
+    assert store.get_into(keys(1), [target]) == [True]
+    assert seen[0][0].obj is target
