@@ -52,7 +52,57 @@ def build_parser() -> argparse.ArgumentParser:
     conformance.add_argument("-k", dest="keyword", help="only clauses matching this pytest -k expression")
     conformance.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing clause")
     conformance.set_defaults(run=run_conformance)
+
+    bench_io = commands.add_parser(
+        "bench-io",
+        help="storage microbenchmark: SDK vs the raw client, zero-copy vs copy, page_first vs layer_first",
+        description="Batch put/get/exists throughput and latency percentiles of one backend, with the raw "
+        "client doing the same I/O in the same run so the SDK's overhead shows as a ratio.",
+    )
+    bench_io.add_argument("backend", help="registered name or package.module:Class")
+    bench_io.add_argument("--config", help="backend config: a JSON object or @path (json, toml, yaml)")
+    bench_io.add_argument("--wrappers", help="wrapper specs as a JSON list (measured as part of the SDK path)")
+    bench_io.add_argument("--page-sizes", default="64K,1M,4M", help="comma-separated page sizes (default: %(default)s)")
+    bench_io.add_argument("--batch-sizes", default="1,16,64", help="comma-separated pages per call (default: %(default)s)")
+    bench_io.add_argument("--bytes-per-case", default="64M", help="bytes moved per page size and batch (default: %(default)s)")
+    bench_io.add_argument("--out", default="results", help="directory for bench-io-<backend>.{json,md} (default: %(default)s)")
+    bench_io.set_defaults(run=run_bench_io)
     return parser
+
+
+def parse_size(text: str) -> int:
+    """``64K``, ``1M``, ``4M``, ``1G`` or a plain number of bytes."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64K, 1M, 4M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def run_bench_io(args: argparse.Namespace) -> int:
+    from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
+    from hicache_storage.registry import create_backend
+
+    backend = create_backend(args.backend, args.config)
+    if args.wrappers:
+        from hicache_storage.wrappers import wrap
+
+        backend = wrap(backend, args.wrappers)
+    with backend:
+        result = run_bench_io(
+            backend,
+            page_sizes=[parse_size(s) for s in args.page_sizes.split(",")],
+            batch_sizes=[int(s) for s in args.batch_sizes.split(",")],
+            bytes_per_case=parse_size(args.bytes_per_case),
+        )
+    print(render_markdown(result))
+    print(f"written: {write_results(result, Path(args.out))}")
+    return 0
 
 
 def run_list(args: argparse.Namespace) -> int:

@@ -1,0 +1,195 @@
+"""The raw client doing the same I/O as a connector, so the SDK's overhead shows as a ratio.
+
+Each baseline moves the same pages (same sizes, same batch, same concurrency where the connector
+has a knob for it) with the client library alone: no keys, no validation, no result checks.
+``make_raw(backend)`` returns the baseline for a connector, or ``None`` when there is none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+from hicache_storage.backend import StorageBackend
+
+
+class RawClient(Protocol):
+    label: str
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None: ...
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None: ...
+
+    def exists(self, names: list[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileRaw:
+    """``os.pwrite`` / ``os.preadv`` / ``os.stat`` from a thread pool, one file per page."""
+
+    label = "os.pwrite/preadv"
+
+    def __init__(self, threads: int) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="hicache-raw-"))
+        self.pool = ThreadPoolExecutor(threads)
+
+    def _write(self, name: str, page: memoryview) -> None:
+        fd = os.open(self.root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.pwrite(fd, page, 0)
+        finally:
+            os.close(fd)
+
+    def _read(self, name: str, page: memoryview) -> None:
+        fd = os.open(self.root / name, os.O_RDONLY)
+        try:
+            os.preadv(fd, [page], 0)
+        finally:
+            os.close(fd)
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None:
+        list(self.pool.map(self._write, names, pages))
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None:
+        list(self.pool.map(self._read, names, pages))
+
+    def exists(self, names: list[str]) -> None:
+        list(self.pool.map(lambda n: (self.root / n).exists(), names))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class RedisRaw:
+    """redis-py pipelines of SET / GET / EXISTS on the connector's own URL."""
+
+    label = "redis-py pipeline"
+
+    def __init__(self, backend: StorageBackend) -> None:
+        import redis
+
+        config = backend.config
+        password = config.password.get_secret_value() if config.password is not None else None
+        self.client = redis.Redis.from_url(config.url, password=password)
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, page in zip(names, pages):
+            pipe.set(name, page)
+        pipe.execute()
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        for value, page in zip(pipe.execute(), pages):
+            page[:] = value
+
+    def exists(self, names: list[str]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        pipe.execute()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class S3Raw:
+    """boto3 put_object / get_object / head_object on a thread pool, same endpoint and bucket."""
+
+    label = "boto3"
+
+    def __init__(self, backend: StorageBackend) -> None:
+        import boto3
+        from botocore.config import Config
+
+        config = backend.config
+        secret = config.secret_access_key.get_secret_value() if config.secret_access_key is not None else None
+        self.bucket = config.bucket
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=secret,
+            config=Config(s3={"addressing_style": config.addressing_style}, max_pool_connections=config.max_concurrency),
+        )
+        self.pool = ThreadPoolExecutor(config.max_concurrency)
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None:
+        list(self.pool.map(lambda n, p: self.client.put_object(Bucket=self.bucket, Key=n, Body=bytes(p)), names, pages))
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None:
+        def read(name: str, page: memoryview) -> None:
+            page[:] = self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+
+        list(self.pool.map(read, names, pages))
+
+    def exists(self, names: list[str]) -> None:
+        list(self.pool.map(lambda n: self.client.head_object(Bucket=self.bucket, Key=n), names))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class MemoryRaw:
+    """A plain dict: the floor any in-process store could reach."""
+
+    label = "dict"
+
+    def __init__(self) -> None:
+        self.pages: dict[str, bytes] = {}
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None:
+        for name, page in zip(names, pages):
+            self.pages[name] = bytes(page)
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None:
+        for name, page in zip(names, pages):
+            page[:] = self.pages[name]
+
+    def exists(self, names: list[str]) -> None:
+        [name in self.pages for name in names]
+
+    def close(self) -> None:
+        self.pages.clear()
+
+
+def make_raw(backend: StorageBackend) -> RawClient | None:
+    """The raw baseline for ``backend``'s connector, or ``None`` if there is none."""
+    name = backend.name
+    if name == "file":
+        return FileRaw(backend.config.io_threads)
+    if name == "redis" and not backend.config.cluster:
+        return RedisRaw(backend)
+    if name == "s3":
+        return S3Raw(backend)
+    if name == "memory":
+        return MemoryRaw()
+    return None
+
+
+def dd_direct(page_size: int, pages: int, directory: str) -> dict[str, float]:
+    """GB/s of ``dd`` with O_DIRECT writing then reading ``pages`` blocks of ``page_size`` bytes."""
+    path = Path(tempfile.mkdtemp(prefix="hicache-dd-", dir=directory)) / "dd.bin"
+    try:
+        rates = {}
+        for op, args in (
+            ("write", [f"if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"]),
+            ("read", [f"if={path}", "of=/dev/null", "iflag=direct"]),
+        ):
+            start = time.perf_counter()
+            subprocess.run(["dd", *args, f"bs={page_size}", f"count={pages}"], check=True, capture_output=True)
+            rates[op] = page_size * pages / (time.perf_counter() - start) / 1e9
+        return rates
+    finally:
+        shutil.rmtree(path.parent, ignore_errors=True)

@@ -1,0 +1,30 @@
+"""bench-io runs end to end and reports every path side by side (figures are not asserted: they drift)."""
+
+import json
+import subprocess
+import sys
+
+from hicache_storage import create_backend
+from hicache_storage.bench.io import ratios, render_markdown, run_bench_io
+
+
+def test_bench_io_memory_reports_sdk_raw_and_layouts():
+    with create_backend("memory") as backend:
+        result = run_bench_io(backend, page_sizes=[4096], batch_sizes=[1, 8], bytes_per_case=64 * 4096, repeats=1)
+    paths = {(m["op"], m["path"]) for m in result["measurements"]}
+    assert {("put", "sdk zero-copy"), ("get", "sdk zero-copy"), ("put", "sdk copy"), ("get", "dict"), ("exists", "sdk")} <= paths
+    assert len(ratios(result)) == 6  # put / get / exists x two batch sizes
+    assert [l["layout"] for l in result["layouts"]] == ["page_first", "layer_first"]
+    assert result["layouts"][1]["segments_per_page"] == 64
+    assert "SDK / raw" in render_markdown(result)
+
+
+def test_bench_io_cli_writes_json_and_markdown(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "hicache_storage.cli", "bench-io", "memory", "--page-sizes", "4K", "--batch-sizes", "4",
+         "--bytes-per-case", "64K", "--out", str(tmp_path)],
+        check=True, capture_output=True, timeout=300,
+    )
+    data = json.loads((tmp_path / "bench-io-memory.json").read_text())
+    assert data["backend"] == "memory" and data["ratios"]
+    assert (tmp_path / "bench-io-memory.md").read_text().startswith("## bench-io: `memory`")
