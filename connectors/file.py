@@ -30,7 +30,8 @@ Contracts:
 * **Capacity.** With ``capacity_bytes``, an in-memory LRU index of the root (built at start by
   scanning it, oldest modification time first) evicts least recently used pages after each
   write until the bytes it knows of fit. Reads refresh recency in memory only, so after a
-  restart recency is by last write. A page that cannot be removed (permission, vanished) is
+  restart recency is by last write. Within one call the first pages count as the most recent
+  (a prefix is useless without its head, so its tail goes first). A page that cannot be removed (permission, vanished) is
   skipped, counted (``evictions_failed`` / ``evictions_vanished``) and dropped from the index,
   so eviction never wedges; its bytes then stay on disk outside the budget. The budget covers
   the pages this instance knows: those found at start, written by it, or read by it. Several
@@ -192,11 +193,14 @@ class FileBackend(StorageBackend):
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
         located = [self._locate(key) for key in keys]
-        return self._parallel(self._read_one, [(key, *loc, t) for key, loc, t in zip(keys, located, targets)])
+        results = self._parallel(self._read_one, [(key, *loc, t) for key, loc, t in zip(keys, located, targets)])
+        self._mark_used([(rel, segments_size(t)) for (_, rel), t, hit in zip(located, targets, results) if hit], learn=True)
+        return results
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
         located = [self._locate(key) for key in keys]
         results = self._parallel(self._write_one, [(key, *loc, s) for key, loc, s in zip(keys, located, sources)])
+        self._mark_used([(rel, 0) for (_, rel), stored in zip(located, results) if stored], learn=False)
         refused = results.count(False)
         if refused:
             logger.warning(
@@ -292,8 +296,6 @@ class FileBackend(StorageBackend):
             raise self._error(exc, "get", key, rel) from exc
         finally:
             os.close(fd)
-        if hit:
-            self._touch(rel, size)
         return hit
 
     def _write_one(self, key: PageKey, rel_dir: str, rel: str, source: Segments) -> bool:
@@ -476,15 +478,22 @@ class FileBackend(StorageBackend):
         """The index lock when there is an index; publication needs no lock otherwise."""
         return self._lock if self._index is not None else contextlib.nullcontext()
 
-    def _touch(self, rel: str, size: int) -> None:
-        if self._index is None:
+    def _mark_used(self, pages: list[tuple[str, int]], *, learn: bool) -> None:
+        """Make ``pages`` (relative path, size) the most recently used, the first of them most of all.
+
+        A prefix is useless without its head, so within one call the earlier pages are evicted
+        last. With ``learn``, a page missing from the index (another process wrote it) is added.
+        """
+        if self._index is None or not pages:
             return
         with self._lock:
-            if rel in self._index:
-                self._index.move_to_end(rel)
-            else:  # written by another process: now we know it, count it
-                self._index[rel] = size
-                self._index_bytes += size
+            for rel, size in reversed(pages):
+                if rel in self._index:
+                    self._index.move_to_end(rel)
+                elif learn:
+                    self._index[rel] = size
+                    self._index_bytes += size
+            if learn:
                 self._evict_locked()
 
     def _forget(self, rel: str) -> None:
