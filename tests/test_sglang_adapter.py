@@ -1,0 +1,434 @@
+"""The SGLang adapter, built by SGLang's own factory, moving pages of SGLang's own host pool code.
+
+SGLang's host pool classes (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) cannot be
+imported on this CPU machine: ``sglang.srt.mem_cache.pool_host`` imports ``memory_pool``, which
+imports ``sglang.srt.configs``, which imports transformers' image processors, which need a
+``torchvision`` built for the installed torch; the only torchvision wheel reachable is a CUDA
+build that fails to import against torch 2.13+cpu ("operator torchvision::nms does not exist").
+So the host pool here is the closest faithful stand-in: the methods that decide a page's bytes
+and addresses (``init_kv_buffer``, ``get_page_buffer_meta``, ``get_data_page``,
+``set_from_flat_data_page``, ``get_dummy_flat_data_page``, and the DCP page helpers) are compiled
+from the installed SGLang source file, unchanged, and run over a plain CPU allocation
+(``pin_memory`` off). Only the allocator and the constructor's bookkeeping are ours.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import types
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from hicache_storage.errors import ConfigError, InvalidArgumentError
+from hicache_storage.sglang import HiCacheStorageAdapter, page_hash_of
+
+SGLANG_ROOT = Path(list(importlib.util.find_spec("sglang").submodule_search_locations)[0])
+
+
+# --- SGLang's host pool code over a CPU allocation ------------------------------------------------
+
+
+def sglang_methods(relative_path: str, class_name: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """Compile the named methods of one SGLang class from the installed source, unchanged."""
+    path = SGLANG_ROOT / relative_path
+    tree = ast.parse(path.read_text())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    found = {node.name: node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in names}
+    missing = set(names) - set(found)
+    assert not missing, f"SGLang's {class_name} no longer has {sorted(missing)}; update the stand-in"
+    for node in found.values():
+        node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id == "property"]
+    namespace: dict[str, Any] = {"torch": torch, "ALLOC_MEMORY_FUNCS": defaultdict(lambda: _cpu_alloc)}
+    exec(compile(ast.Module(body=list(found.values()), type_ignores=[]), str(path), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def _cpu_alloc(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool, allocator: Any, **_: Any) -> torch.Tensor:
+    assert not pin_memory and device == "cpu"
+    return torch.empty(dims, dtype=dtype, device=device)
+
+
+_PAGE_METHODS = ("init_kv_buffer", "get_page_buffer_meta", "get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page")
+_BASE = sglang_methods("srt/mem_cache/pool_host/base.py", "HostKVCache", ("logical_size", "logical_page_size"))
+MHAHostPool = type(
+    "MHATokenToKVPoolHost", (), {**_BASE, **sglang_methods("srt/mem_cache/pool_host/mha.py", "MHATokenToKVPoolHost", _PAGE_METHODS)}
+)
+MLAHostPool = type(
+    "MLATokenToKVPoolHost",
+    (),
+    {**_BASE, **sglang_methods("srt/mem_cache/pool_host/mla.py", "MLATokenToKVPoolHost", (*_PAGE_METHODS, "_storage_page_index"))},
+)
+
+
+def make_host_pool(
+    kind: str = "mha", layout: str = "page_first", page_size: int = 4, pages: int = 24, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Any:
+    """A host pool of ``pages`` pages (plus SGLang's padding page), filled with seeded random bytes."""
+    pool = (MHAHostPool if kind == "mha" else MLAHostPool)()
+    pool.layout, pool.page_size, pool.dtype = layout, page_size, dtype
+    pool.page_num = pages + 1
+    pool.size = pool.page_num * page_size
+    pool.layer_num = 3
+    pool.device, pool.pin_memory, pool.allocator = "cpu", False, None
+    pool._transfer_device = torch.device("cpu")
+    pool.dcp_size, pool.dcp_rank = 1, 0
+    if kind == "mha":
+        pool.head_num, pool.head_dim, pool.v_head_dim = 2, 8, 8
+    else:
+        pool.kv_lora_rank, pool.qk_rope_head_dim = 12, 4
+        pool.kv_cache_dim = 16
+    pool.kv_buffer = pool.init_kv_buffer()
+    generator = torch.Generator().manual_seed(seed)
+    flat = pool.kv_buffer.view(torch.uint8).view(-1)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator))
+    return pool
+
+
+def host_indices(pool: Any, page_ids: list[int]) -> torch.Tensor:
+    """Token slots of the given pages, as SGLang's allocator hands them out (page-aligned runs)."""
+    return torch.cat([torch.arange(p * pool.page_size, (p + 1) * pool.page_size, dtype=torch.int64) for p in page_ids])
+
+
+def page_bytes(pool: Any, page_id: int) -> bytes:
+    return pool.get_data_page(page_id * pool.page_size, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def chain(n: int, salt: str = "") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}page{i}".encode()).hexdigest() for i in range(n)]
+
+
+# --- building the adapter the way SGLang does ----------------------------------------------------
+
+
+@dataclass
+class Rank:
+    tp_rank: int = 0
+    tp_size: int = 1
+    is_mla: bool = False
+    pp_rank: int = 0
+    pp_size: int = 1
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    metrics: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def storage_config(rank: Rank, connector: str, connector_config: dict[str, Any]) -> HiCacheStorageConfig:
+    extra = {
+        "backend_name": "hicache",
+        "module_path": "hicache_storage.sglang",
+        "class_name": "HiCacheStorageAdapter",
+        "interface_v1": 1,
+        "connector": connector,
+        "connector_config": connector_config,
+        **rank.extra,
+    }
+    return HiCacheStorageConfig(
+        tp_rank=rank.tp_rank,
+        tp_size=rank.tp_size,
+        pp_rank=rank.pp_rank,
+        pp_size=rank.pp_size,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=rank.is_mla,
+        enable_storage_metrics=rank.metrics,
+        is_page_first_layout=True,
+        model_name=rank.model,
+        extra_config=extra,
+    )
+
+
+@pytest.fixture(params=["memory", "file", "redis"])
+def connector(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """Each connector's config; instances built from it share one store."""
+    if request.param == "memory":
+        return "memory", {"store": f"sglang-{request.node.name}"}
+    if request.param == "file":
+        return "file", {"root": str(tmp_path / "kv")}
+    server = request.getfixturevalue("redis_server")
+    return "redis", {"url": server.url, "prefix": f"t{abs(hash(request.node.nodeid)) % 10**8}"}
+
+
+@pytest.fixture
+def open_adapter(connector: tuple[str, dict[str, Any]]) -> Any:
+    opened: list[HiCacheStorageAdapter] = []
+
+    def build(pool: Any, rank: Rank | None = None) -> HiCacheStorageAdapter:
+        name, config = connector
+        rank = rank or Rank(is_mla=isinstance(pool, MLAHostPool))
+        adapter = StorageBackendFactory.create_backend("dynamic", storage_config(rank, name, config), pool)
+        assert type(adapter) is HiCacheStorageAdapter
+        adapter.register_mem_pool_host(pool)  # what SGLang's cache controller does next
+        opened.append(adapter)
+        return adapter
+
+    yield build
+    for adapter in opened:
+        adapter.close()
+
+
+# --- zero-copy round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_pages_round_trip_bit_exact_between_two_engines(open_adapter: Any, kind: str, layout: str) -> None:
+    writer_pool = make_host_pool(kind, layout, seed=1)
+    reader_pool = make_host_pool(kind, layout, seed=2)
+    writer, reader = open_adapter(writer_pool), open_adapter(reader_pool)
+    keys = chain(6, salt=f"{kind}{layout}")
+    src_pages, dst_pages = [3, 9, 1, 17, 4, 22], [20, 2, 11, 5, 14, 7]
+    assert writer.batch_set_v1(keys, host_indices(writer_pool, src_pages)) == [True] * 6
+    assert reader.batch_exists(keys) == 6
+    assert reader.batch_get_v1(keys, host_indices(reader_pool, dst_pages)) == [True] * 6
+    for src, dst in zip(src_pages, dst_pages):
+        assert page_bytes(reader_pool, dst) == page_bytes(writer_pool, src)
+
+
+def test_segments_per_page_follow_the_pool(open_adapter: Any) -> None:
+    """Page-first MHA pages are two segments (K, V); MLA one; layer-first one per layer and half."""
+    from hicache_storage.sglang import _page_segments
+
+    for kind, layout, expected in [("mha", "page_first", 2), ("mla", "page_first", 1), ("mha", "layer_first", 6), ("mla", "layer_first", 3)]:
+        pool = make_host_pool(kind, layout)
+        segments, total = _page_segments(pool, 2, host_indices(pool, [1, 2]))
+        assert [len(s) for s in segments] == [expected, expected]
+        assert total == 2 * len(page_bytes(pool, 1))
+
+
+def test_missing_pages_are_per_key_misses_and_prefix_stops_at_the_first_hole(open_adapter: Any) -> None:
+    pool = make_host_pool()
+    adapter = open_adapter(pool)
+    keys = chain(8, salt="holes")
+    present = [0, 1, 2, 4, 5]
+    assert adapter.batch_set_v1([keys[i] for i in present], host_indices(pool, present)) == [True] * 5
+    assert adapter.batch_exists(keys) == 3
+    assert adapter.batch_exists(keys[1:]) == 2
+    assert adapter.batch_exists(keys[3:]) == 0
+    assert adapter.batch_exists([]) == 0
+    results = adapter.batch_get_v1(keys[:6], host_indices(pool, [10, 11, 12, 13, 14, 15]))
+    assert results == [True, True, True, False, True, True]
+    assert [page_bytes(pool, 10 + i) for i in present] == [page_bytes(pool, i) for i in present]
+    assert adapter.exists(keys[4]) and not adapter.exists(keys[3])
+
+
+def test_two_tp_ranks_do_not_collide(open_adapter: Any) -> None:
+    pools = [make_host_pool(seed=10), make_host_pool(seed=11)]
+    ranks = [open_adapter(pools[r], Rank(tp_rank=r, tp_size=2)) for r in range(2)]
+    keys = chain(4, salt="tp")
+    assert ranks[0].batch_set_v1(keys, host_indices(pools[0], [0, 1, 2, 3])) == [True] * 4
+    assert ranks[1].batch_exists(keys) == 0, "rank 1 must not see rank 0's head shard"
+    assert ranks[1].batch_set_v1(keys, host_indices(pools[1], [0, 1, 2, 3])) == [True] * 4
+    for r in range(2):
+        assert ranks[r].batch_get_v1(keys, host_indices(pools[r], [5, 6, 7, 8])) == [True] * 4
+        for page in range(4):
+            assert page_bytes(pools[r], 5 + page) == page_bytes(pools[r], page)
+    assert page_bytes(pools[0], 5) != page_bytes(pools[1], 5)
+
+
+def test_mla_only_rank_zero_writes_and_every_rank_reads(open_adapter: Any) -> None:
+    pools = [make_host_pool("mla", seed=20), make_host_pool("mla", seed=21)]
+    ranks = [open_adapter(pools[r], Rank(tp_rank=r, tp_size=2, is_mla=True)) for r in range(2)]
+    keys = chain(3, salt="mla")
+    assert ranks[1].batch_set_v1(keys, host_indices(pools[1], [0, 1, 2])) == [True] * 3, "non-writers report success"
+    assert ranks[0].batch_exists(keys) == 0, "a non-writer rank wrote"
+    assert ranks[1].batch_set([keys[0]], [pools[1].get_data_page(0)]) is True
+    assert ranks[0].batch_exists(keys) == 0, "a non-writer rank wrote through the legacy path"
+    assert ranks[0].batch_set_v1(keys, host_indices(pools[0], [0, 1, 2])) == [True] * 3
+    assert ranks[1].batch_exists(keys) == 3
+    assert ranks[1].batch_get_v1(keys, host_indices(pools[1], [4, 5, 6])) == [True] * 3
+    for page in range(3):
+        assert page_bytes(pools[1], 4 + page) == page_bytes(pools[0], page)
+
+
+@pytest.mark.parametrize(
+    ("other_pool", "other_rank"),
+    [
+        ({"dtype": torch.float16}, {}),
+        ({"layout": "layer_first"}, {}),
+        ({"page_size": 8}, {}),
+        ({}, {"model": "Qwen/Qwen3-8B"}),
+        ({}, {"extra": {"tenant": "team-b"}}),
+        ({}, {"extra": {"model_revision": "v2"}}),
+        ({}, {"pp_rank": 1, "pp_size": 2}),
+    ],
+    ids=["dtype", "layout", "page_size", "model", "tenant", "revision", "pp_rank"],
+)
+def test_deployments_that_differ_in_identity_never_share_pages(open_adapter: Any, other_pool: dict, other_rank: dict) -> None:
+    mine = make_host_pool()
+    theirs = make_host_pool(**other_pool)
+    writer = open_adapter(mine)
+    reader = open_adapter(theirs, Rank(**other_rank))
+    keys = chain(2, salt="identity")
+    assert writer.batch_set_v1(keys, host_indices(mine, [0, 1])) == [True, True]
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, host_indices(theirs, [2, 3])) == [False, False]
+
+
+def test_writes_skip_pages_already_stored(open_adapter: Any) -> None:
+    pool = make_host_pool()
+    adapter = open_adapter(pool)
+    keys = chain(4, salt="skip")
+    assert adapter.batch_set_v1(keys[:2], host_indices(pool, [0, 1])) == [True, True]
+    puts_before = adapter.backend.stats()["put_keys"]
+    assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1, 2, 3])) == [True] * 4
+    assert adapter.backend.stats()["put_keys"] - puts_before == 2
+
+
+# --- legacy copy path and SGLang's other entry points -------------------------------------------
+
+
+def test_legacy_flat_page_path_round_trips(open_adapter: Any) -> None:
+    pool = make_host_pool("mha", "layer_first")
+    adapter = open_adapter(pool)
+    keys = chain(3, salt="legacy")
+    assert adapter.batch_set(keys, [pool.get_data_page(p * pool.page_size) for p in range(3)]) is True
+    pages = adapter.batch_get(keys + chain(1, salt="absent"), [pool.get_dummy_flat_data_page() for _ in range(4)])
+    assert pages[3] is None
+    for p in range(3):
+        pool.set_from_flat_data_page((10 + p) * pool.page_size, pages[p])
+        assert page_bytes(pool, 10 + p) == page_bytes(pool, p)
+    single = adapter.get(keys[0])
+    assert single is not None and single.view(torch.uint8).numpy().tobytes() == page_bytes(pool, 0)
+    assert adapter.set(chain(1, salt="one")[0], pool.get_data_page(0)) is True
+
+
+def test_non_hex_keys_map_to_stable_page_hashes(open_adapter: Any) -> None:
+    pool = make_host_pool()
+    adapter = open_adapter(pool)
+    assert page_hash_of("ab" * 32) == "ab" * 32
+    assert page_hash_of("prefix-key.mamba") == page_hash_of("prefix-key.mamba") != page_hash_of("prefix-key")
+    assert adapter.batch_set_v1(["prefix-key.mamba"], host_indices(pool, [0])) == [True]
+    assert adapter.batch_exists(["prefix-key.mamba"]) == 1
+
+
+def test_clear_removes_only_this_deployment(open_adapter: Any) -> None:
+    pool = make_host_pool()
+    mine, other = open_adapter(pool), open_adapter(pool, Rank(extra={"tenant": "other"}))
+    keys = chain(2, salt="clear")
+    mine.batch_set_v1(keys, host_indices(pool, [0, 1]))
+    other.batch_set_v1(keys, host_indices(pool, [0, 1]))
+    mine.clear()
+    assert mine.batch_exists(keys) == 0
+    assert other.batch_exists(keys) == 2
+
+
+def test_pool_transfers_v2_with_a_side_pool(open_adapter: Any) -> None:
+    kv_pool, swa_pool = make_host_pool(seed=30), make_host_pool(dtype=torch.float16, seed=31)
+    adapter = open_adapter(kv_pool)
+    adapter.register_mem_host_pool_v2(swa_pool, PoolName.SWA)
+    keys = chain(6, salt="v2")
+    kv = PoolTransfer(name=PoolName.KV, keys=keys, host_indices=host_indices(kv_pool, list(range(6))))
+    swa = PoolTransfer(name=PoolName.SWA, keys=keys[4:], host_indices=host_indices(swa_pool, [4, 5]))
+    assert adapter.batch_set_v2([kv, swa]) == {"kv": [True] * 6, "swa": [True, True]}
+
+    trailing = PoolTransfer(name=PoolName.SWA, keys=keys[4:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    result = adapter.batch_exists_v2(keys, [trailing])
+    assert (result.kv_hit_pages, result.restorable_prefix_pages) == (6, [6])
+    every = PoolTransfer(name=PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+    assert adapter.batch_exists_v2(keys, [every]).kv_hit_pages == 0
+
+    read = PoolTransfer(name=PoolName.SWA, keys=keys[4:], host_indices=host_indices(swa_pool, [10, 11]))
+    assert adapter.batch_get_v2([read]) == {"swa": [True, True]}
+    assert page_bytes(swa_pool, 10) == page_bytes(swa_pool, 4)
+    assert adapter.batch_get_v1(keys[4:], host_indices(kv_pool, [10, 11])) == [True, True]
+    assert page_bytes(kv_pool, 11) == page_bytes(kv_pool, 5) != page_bytes(swa_pool, 5)
+
+
+def test_get_stats_has_sglang_shape_and_resets_on_read(open_adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang asserts ``isinstance(stats, StorageMetrics)``; its module cannot import on this CPU box
+    (see the module docstring), so the class is stood in with SGLang's four fields."""
+
+    @dataclass
+    class StorageMetrics:
+        prefetch_pgs: list = field(default_factory=list)
+        backup_pgs: list = field(default_factory=list)
+        prefetch_bandwidth: list = field(default_factory=list)
+        backup_bandwidth: list = field(default_factory=list)
+
+    module = types.ModuleType("sglang.srt.observability.metrics_collector")
+    module.StorageMetrics = StorageMetrics
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    pool = make_host_pool()
+    adapter = open_adapter(pool, Rank(metrics=True))
+    keys = chain(3, salt="stats")
+    adapter.batch_set_v1(keys, host_indices(pool, [0, 1, 2]))
+    adapter.batch_get_v1(keys, host_indices(pool, [3, 4, 5]))
+    stats = adapter.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert (stats.backup_pgs, stats.prefetch_pgs) == ([3], [3])
+    assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
+    assert adapter.get_stats() == StorageMetrics()
+
+
+# --- failures degrade, bad config is loud -------------------------------------------------------
+
+
+def test_a_failing_store_degrades_to_misses(tmp_path: Path) -> None:
+    failing = {"kind": "faults", "exists": {"error_rate": 1.0}, "get": {"error_rate": 1.0}, "put": {"error_rate": 1.0}}
+    pool = make_host_pool()
+    config = storage_config(Rank(extra={"wrappers": [failing]}), "memory", {})
+    adapter = StorageBackendFactory.create_backend("dynamic", config, pool)
+    adapter.register_mem_pool_host(pool)
+    keys = chain(2, salt="down")
+    assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1])) == [False, False]
+    assert adapter.batch_get_v1(keys, host_indices(pool, [2, 3])) == [False, False]
+    assert adapter.batch_exists(keys) == 0
+    assert adapter.exists(keys[0]) is False
+    assert adapter.batch_set(keys, [pool.get_data_page(0)] * 2) is False
+    assert adapter.batch_get(keys, [pool.get_dummy_flat_data_page()] * 2) == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"connector": None}, "needs 'connector'"),
+        ({"conector_config": {}}, "unknown config key"),
+        ({"connector": "nosuch"}, "unknown storage backend"),
+        ({"connector_config": {"bogus": 1}}, "unknown config key"),
+        ({"tenant": 5}, "tenant"),
+    ],
+)
+def test_bad_extra_config_is_a_config_error(extra: dict[str, Any], message: str) -> None:
+    config = storage_config(Rank(), "memory", {})
+    config.extra_config.update(extra)
+    if extra.get("connector", "") is None:
+        del config.extra_config["connector"]
+    with pytest.raises(Exception) as info:
+        StorageBackendFactory.create_backend("dynamic", config, None)
+    assert isinstance(info.value, (ConfigError, LookupError)) and message in str(info.value)
+
+
+def test_unsupported_layout_and_unregistered_pool_are_refused() -> None:
+    adapter = HiCacheStorageAdapter(storage_config(Rank(), "memory", {}))
+    with pytest.raises(InvalidArgumentError, match="register_mem_pool_host"):
+        adapter.batch_exists(chain(1))
+    pool = make_host_pool()
+    pool.layout = "page_head"
+    with pytest.raises(ConfigError, match="page_head"):
+        adapter.register_mem_pool_host(pool)
+    good = make_host_pool()
+    adapter.register_mem_pool_host(good)
+    with pytest.raises(InvalidArgumentError, match="host indices"):
+        adapter.batch_get_v1(chain(2), host_indices(good, [0]))
+
+
+def test_importing_hicache_storage_does_not_import_sglang() -> None:
+    code = "import sys, hicache_storage, hicache_storage.registry; assert 'sglang' not in sys.modules, 'sglang imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
