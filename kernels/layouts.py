@@ -166,6 +166,11 @@ def transfer_geometry(
     if not isinstance(page_size, int) or page_size <= 0:
         raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
     host_slots = _host_slots(host_kv, layout, page_size)
+    if host_slots % page_size:
+        raise InvalidArgumentError(
+            f"host_kv shape {tuple(host_kv.shape)} does not match layout {layout.value} with page_size "
+            f"{page_size}: its slot count ({host_slots}) is not a multiple of page_size"
+        )
     expected = host_shape(
         layout,
         halves=halves,
