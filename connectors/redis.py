@@ -278,6 +278,14 @@ class RedisBackend(StorageBackend):
         else:
             self._where = self._endpoint.address
         self._key_prefix = config.prefix + ":"
+        exceptions = self._redis.exceptions
+        # Errors in a per-key reply slot that say the server (or the cluster) is unusable, not the key.
+        self._server_wide_errors = (
+            exceptions.ConnectionError,
+            exceptions.TimeoutError,
+            exceptions.ClusterError,
+            exceptions.NoPermissionError,
+        )
         self._client: Any = None
         try:
             self._client = self._connect()
@@ -452,7 +460,7 @@ class RedisBackend(StorageBackend):
         """Raise for an error that concerns the whole server; leave per-key errors as misses."""
         exceptions = self._redis.exceptions
         for reply in replies:
-            if isinstance(reply, (exceptions.ConnectionError, exceptions.TimeoutError, exceptions.NoPermissionError)):
+            if isinstance(reply, self._server_wide_errors):
                 raise self._translate(reply, operation) from reply
             if isinstance(reply, exceptions.ResponseError) and _is_auth_failure(str(reply)):
                 raise self._translate(reply, operation) from reply
@@ -509,5 +517,16 @@ class RedisBackend(StorageBackend):
         return _USERINFO_RE.sub(r"\1:***@", text)
 
 
+# How servers word a rejected or missing password; the cluster client reports these only as text.
+_AUTH_FAILURE_MARKERS = (
+    "WRONGPASS",
+    "NOAUTH",
+    "invalid username-password",
+    "invalid password",
+    "Authentication required",
+    "must be called with the client already authenticated",
+)
+
+
 def _is_auth_failure(message: str) -> bool:
-    return any(marker in message for marker in ("WRONGPASS", "NOAUTH", "invalid username-password", "invalid password"))
+    return any(marker in message for marker in _AUTH_FAILURE_MARKERS)

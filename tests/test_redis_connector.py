@@ -225,6 +225,14 @@ class TestStandalone:
         assert store.get([key], 101) == [None]
         assert store.get([key], 100) == [b"x" * 100]
 
+    def test_a_foreign_value_type_is_a_per_key_miss(self, store: RedisBackend, raw: object, rng: random.Random) -> None:
+        keys = random_keys(new_scope(), 2, rng)
+        raw.hset(f"hicache:{keys[0].render(':')}", "field", "not a page")  # GET on it fails with WRONGTYPE
+        store.put(keys[1:], [b"page"])
+        assert store.get(keys, 4) == [None, b"page"]
+        assert store.put(keys[:1], [b"mine"]) == [True]  # SET replaces any type
+        assert store.get(keys, 4) == [b"mine", b"page"]
+
     def test_delete(self, store: RedisBackend, raw: object, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 3, rng)
         store.put(keys[:2], [b"1", b"2"])
@@ -479,6 +487,23 @@ class TestCluster:
             assert backend.put(keys, [b"x"] * 20) == [True] * 20
             assert backend.exists(keys) == [True] * 20
             backend.delete(keys)
+
+    @pytest.mark.slow
+    def test_password_protected_cluster(self, rng: random.Random) -> None:
+        cluster = RedisCluster(nodes=3, password=PASSWORD)
+        cluster.start()
+        try:
+            keys = random_keys(new_scope(), 30, rng)
+            with RedisBackend({"url": cluster.url, "cluster": True, "password": PASSWORD}) as backend:
+                assert backend.put(keys, [b"v"] * 30) == [True] * 30
+                assert PASSWORD not in repr(backend)
+            for url in (f"redis://:wrong-password@{cluster.nodes[0].address}", cluster.url):
+                with pytest.raises(AuthenticationError) as info:
+                    RedisBackend({"url": url, "cluster": True})
+                for text in _error_texts(info.value):
+                    assert PASSWORD not in text and "wrong-password" not in text
+        finally:
+            cluster.stop()
 
     @pytest.mark.slow
     def test_killed_node_gives_typed_errors_then_recovers(self, rng: random.Random) -> None:
