@@ -90,6 +90,36 @@ def tls_server() -> Iterator[RedisServer]:
     server.stop()
 
 
+# --- the test services themselves ---------------------------------------------------------------
+
+
+@pytest.mark.services
+class TestServices:
+    def test_a_server_that_fails_to_start_reports_its_log(self) -> None:
+        from hicache_storage.testing.process import ServiceError
+
+        server = RedisServer(extra_config=["no-such-directive yes"])
+        with pytest.raises(ServiceError) as info:
+            server.start()
+        assert "no-such-directive" in str(info.value)
+        assert not server.running()
+
+    def test_restart_keeps_the_port_and_the_password(self) -> None:
+        server = RedisServer(password=PASSWORD)
+        server.start()
+        try:
+            port, pid = server.port, server.pid
+            server.kill()
+            assert not server.running()
+            server.restart()
+            assert server.port == port and server.pid != pid
+            assert server.command("PING") == "PONG"  # authenticated with the same password
+            assert PASSWORD not in " ".join(server.process.args)  # the password lives in the config file
+        finally:
+            server.stop()
+        assert not server.running()
+
+
 # --- config and URLs (no server) ----------------------------------------------------------------
 
 

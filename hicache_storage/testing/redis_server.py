@@ -115,6 +115,7 @@ class RedisServer(ServerProcess):
                 break
             except ServiceError as exc:
                 if attempt + 1 == attempts or "Address already in use" not in str(exc):
+                    self.stop()  # a server that never became ready must not outlive the test
                     raise
                 self.port = free_port(avoid=[self.port, self.cluster_bus_port or 0])
         self._started = True
