@@ -41,7 +41,9 @@ _MAX_BLOCK_W = 256
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-@triton.jit
+# The token count and first layer change from call to call: specializing on their values (== 1,
+# divisible by 16) would only multiply compiled variants without speeding up a copy.
+@triton.jit(do_not_specialize=["n_tokens", "first_layer"])
 def _copy_rows_kernel(
     src_ptr,
     dst_ptr,
