@@ -21,8 +21,8 @@ Contracts:
 * **Zero copy.** Reads and writes use ``os.preadv`` / ``os.pwritev`` straight into and out of
   the caller's segments, in parallel on a pool of ``io_threads`` threads. With ``direct_io``
   (``O_DIRECT``) the kernel needs 4096-aligned addresses and sizes: segments that are not
-  aligned (or are read-only) go through a per-thread, mmap-backed aligned bounce buffer,
-  which costs one memory copy; aligned segments (a page-aligned host pool with 4 KiB-multiple
+  aligned (or are read-only) go through an mmap-backed aligned bounce buffer (one per I/O
+  thread, as large as the largest page seen), which costs one memory copy; aligned segments (a page-aligned host pool with 4 KiB-multiple
   pages) stay zero-copy. ``stats()["direct_bounce_ios"]`` counts the bounced pages.
 * **Persistence and sharing.** Pages survive closing the backend and are visible to any
   process that opens the same root; other hosts see them only if the root is a shared mount
@@ -40,7 +40,8 @@ Contracts:
   stored) with one logged warning per call and a ``puts_no_space`` count: a full cache disk is a
   normal state for a cache, and the other pages of the batch keep their own results. Permission
   errors raise ``PermissionDeniedError``; other OS errors raise ``StorageError``; both name the
-  operation, the key and the path.
+  operation, the key and the path. A page whose namespace is cleared while it is being written
+  may come back ``False`` (``puts_lost_to_clear``): it was not stored, which a clear allows.
 * **Symlinks.** The root, ``.tmp`` and every directory below the root must be real
   directories; a symlink in their place is refused (it could lead out of the root), and page
   files are opened with ``O_NOFOLLOW``.
@@ -51,6 +52,7 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -112,11 +114,19 @@ _COUNTERS = (
     "evictions_vanished",
     "unremovable_bytes",
     "puts_no_space",
+    "puts_lost_to_clear",
     "direct_bounce_ios",
     "stale_temp_removed",
 )
 
 T = TypeVar("T")
+
+# What became of one page's write.
+STORED, NO_SPACE, CLEARED = "stored", "no space", "cleared"
+
+
+class _DirectoriesVanished(Exception):
+    """A concurrent clear() kept removing a page's directories while it was being written."""
 
 
 def _default_root() -> str:
@@ -168,7 +178,7 @@ class FileBackend(StorageBackend):
         self._described: set[str] = set()  # namespace dirs whose namespace.json exists
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._thread_local = threading.local()
-        self._writer_tag = f"{_host_tag()}.{os.getpid()}.{_process_start(os.getpid())}"
+        self._writer = (0, "")  # (pid, tag) naming our temp files; recomputed after a fork
         self._prepare_tmp_dir()
         self._counters["stale_temp_removed"] = self._remove_stale_temp()
         self._direct_flag = self._probe_direct_io() if self.config.direct_io else 0
@@ -188,8 +198,14 @@ class FileBackend(StorageBackend):
     # --- hooks --------------------------------------------------------------------------------
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
-        located = [self._locate(key) for key in keys]
-        return self._parallel(self._exists_one, [(key, *loc) for key, loc in zip(keys, located)])
+        calls = [(key, *self._locate(key)) for key in keys]
+        # A stat is cheap: one pool task per slice of the batch rather than one per key.
+        step = -(-len(calls) // self.config.io_threads) or 1
+        slices = [(calls[start : start + step],) for start in range(0, len(calls), step)]
+        return [hit for part in self._parallel(self._exists_slice, slices) for hit in part]
+
+    def _exists_slice(self, calls: list[tuple[PageKey, str, str]]) -> list[bool]:
+        return [self._exists_one(*call) for call in calls]
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
         located = [self._locate(key) for key in keys]
@@ -199,9 +215,10 @@ class FileBackend(StorageBackend):
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
         located = [self._locate(key) for key in keys]
-        results = self._parallel(self._write_one, [(key, *loc, s) for key, loc, s in zip(keys, located, sources)])
+        outcomes = self._parallel(self._write_one, [(key, *loc, s) for key, loc, s in zip(keys, located, sources)])
+        results = [outcome == STORED for outcome in outcomes]
         self._mark_used([(rel, 0) for (_, rel), stored in zip(located, results) if stored], learn=False)
-        refused = results.count(False)
+        refused = outcomes.count(NO_SPACE)
         if refused:
             logger.warning(
                 "file backend: %d of %d pages not stored: no space left (or quota reached) under %s; "
@@ -298,8 +315,9 @@ class FileBackend(StorageBackend):
             os.close(fd)
         return hit
 
-    def _write_one(self, key: PageKey, rel_dir: str, rel: str, source: Segments) -> bool:
-        """``True`` once published; ``False`` only when the disk is full. Other failures raise."""
+    def _write_one(self, key: PageKey, rel_dir: str, rel: str, source: Segments) -> str:
+        """``STORED`` once published, ``NO_SPACE`` on a full disk, ``CLEARED`` when a concurrent
+        ``clear()`` kept removing the page's directories. Other failures raise."""
         size = segments_size(source)
         temp = self._temp_path("tmp")
         try:
@@ -318,23 +336,33 @@ class FileBackend(StorageBackend):
             if exc.errno in _NO_SPACE:
                 with self._lock:
                     self._counters["puts_no_space"] += 1
-                return False
+                return NO_SPACE
             raise self._error(exc, "put", key, rel) from exc
+        except _DirectoriesVanished:
+            _unlink_quietly(temp)
+            with self._lock:
+                self._counters["puts_lost_to_clear"] += 1
+            return CLEARED
         except BaseException:
             _unlink_quietly(temp)
             raise
-        return True
+        return STORED
 
     def _publish(self, temp: str, rel_dir: str, rel: str, size: int) -> None:
         with self._index_guard():
-            try:
-                os.replace(temp, f"{self._root}/{rel}")
-            except FileNotFoundError:
-                # The page's directories vanished since we checked them (a clear() here or in
-                # another process): make them again and retry once.
-                self._forget_dirs(rel_dir)
-                self._verify_dirs(rel_dir, create=True)
-                os.replace(temp, f"{self._root}/{rel}")
+            for attempt in range(3):
+                try:
+                    os.replace(temp, f"{self._root}/{rel}")
+                    break
+                except FileNotFoundError:
+                    # The page's directories vanished since we checked them (a clear() here or
+                    # in another process): make them again and retry.
+                    if not os.path.lexists(temp):
+                        raise
+                    if attempt == 2:
+                        raise _DirectoriesVanished(rel_dir) from None
+                    self._forget_dirs(rel_dir)
+                    self._verify_dirs(rel_dir, create=True)
             if self._index is not None:
                 old = self._index.pop(rel, None)
                 self._index_bytes += size - (old or 0)
@@ -404,13 +432,24 @@ class FileBackend(StorageBackend):
         return rel_dir, f"{rel_dir}/{page_hash}"
 
     def _verify_dirs(self, rel_dir: str, *, create: bool) -> bool:
-        """Check each directory from the root down to ``rel_dir`` (making missing ones with ``create``).
+        """Check each directory from the root down to ``rel_dir``, making missing ones with ``create``.
 
-        Returns ``False`` if one is missing and ``create`` is off. Raises ``PermissionDeniedError``
-        for a symlink in place of a directory. Checked directories are remembered.
+        Returns ``False`` if one is missing (never with ``create``; if a concurrent ``clear()``
+        keeps removing them, raises ``_DirectoriesVanished``). Raises ``PermissionDeniedError``
+        for a symlink in place of a directory. Checked directories are
+        remembered, so a page's directories cost system calls only the first time.
         """
         if rel_dir in self._verified_dirs:
             return True
+        if not create:
+            return self._walk_dirs(rel_dir, create=False)
+        for _ in range(3):  # a concurrent clear() can remove a parent while we descend
+            if self._walk_dirs(rel_dir, create=True):
+                return True
+            self._forget_dirs(rel_dir)
+        raise _DirectoriesVanished(rel_dir)
+
+    def _walk_dirs(self, rel_dir: str, *, create: bool) -> bool:
         names = rel_dir.split("/")
         for depth in range(1, len(names) + 1):
             rel = "/".join(names[:depth])
@@ -427,6 +466,8 @@ class FileBackend(StorageBackend):
                     continue
                 except FileExistsError:
                     pass
+                except FileNotFoundError:
+                    return False
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -464,13 +505,21 @@ class FileBackend(StorageBackend):
                 finally:
                     os.close(fd)
                 os.replace(temp, path)
+            except FileNotFoundError:
+                _unlink_quietly(temp)
+                return  # the namespace was just cleared; the next write describes it again
             except BaseException:
                 _unlink_quietly(temp)
                 raise
         self._described.add(top)
 
     def _temp_path(self, suffix: str) -> str:
-        return f"{self._tmp}/{self._writer_tag}.{secrets.token_hex(8)}.{suffix}"
+        pid, tag = self._writer
+        if pid != os.getpid():  # first use, or a forked child: name temp files after this process
+            pid = os.getpid()
+            tag = f"{_host_tag()}.{pid}.{_process_start(pid)}"
+            self._writer = (pid, tag)
+        return f"{self._tmp}/{tag}.{secrets.token_hex(8)}.{suffix}"
 
     # --- the LRU index ------------------------------------------------------------------------
 
@@ -715,8 +764,6 @@ def _prepare_root(root: str) -> str:
 
 def _aligned(segments: Segments) -> bool:
     """Whether O_DIRECT can use these segments as they are: writable, address and size 4 KiB-aligned."""
-    import ctypes
-
     for view in segments:
         if view.readonly or view.nbytes % DIRECT_ALIGNMENT:
             return False

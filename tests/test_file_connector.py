@@ -538,6 +538,38 @@ def test_write_after_another_process_cleared(opened) -> None:
     assert second.get([key(1), key(2)], 5) == [None, b"after"]
 
 
+def test_clear_racing_writers_of_the_same_namespace(opened) -> None:
+    """Writers keep storing while the namespace is cleared in a loop under them: no error, and
+    every page is either stored whole or reported not stored."""
+    store = opened(io_threads=2)
+    errors: list[BaseException] = []
+    results: list[bool] = []
+
+    def writer(seed: int) -> None:
+        try:
+            for i in range(40):
+                keys = [key(seed * 1000 + i * 2), key(seed * 1000 + i * 2 + 1)]
+                results.extend(store.put(keys, [b"r" * 2048] * 2))
+                for page in store.get(keys, 2048):
+                    assert page in (None, b"r" * 2048)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        store.clear(NAMESPACE)
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(results) == 3 * 40 * 2 and results.count(True) > 0
+    stats = store.stats()
+    assert stats["put_stored"] + stats["puts_lost_to_clear"] == len(results)
+    assert store.put([key(1)], [b"after"]) == [True]
+    assert store.get([key(1)], 5) == [b"after"]
+
+
 # --- O_DIRECT --------------------------------------------------------------------------------
 
 
