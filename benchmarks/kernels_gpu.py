@@ -228,9 +228,7 @@ def throughput(
         shape = dataclasses.replace(shape_template, layers=layers)
         fitting = [pages for pages in page_counts if shape.pool_bytes(pages) <= max_bytes]
         for pages in sorted(set(page_counts) - set(fitting)):
-            skipped.append(
-                f"{layers} layers x {pages} pages: pool {shape.pool_bytes(pages) / GIB:.1f} GiB > --max-gib"
-            )
+            skipped.append(f"{layers} layers x {pages} pages: pool {shape.pool_bytes(pages) / GIB:.1f} GiB > --max-gib")
         if not fitting:
             continue
         pool_pages = max(fitting)
@@ -307,7 +305,17 @@ def fill_random(tensor: torch.Tensor) -> None:
     bits(tensor).random_(0, 256)  # in place: no second pool-sized buffer
 
 
-def transfer_functions(method, device_kv, host_kv, device_idx, host_idx, runs, layout, page_size, device):
+def transfer_functions(
+    method: str,
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    runs: list[reference.Run],
+    layout: KVLayout,
+    page_size: int,
+    device: torch.device,
+) -> tuple[Callable[[], None], Callable[[], None]]:
     """(load all layers, backup all layers) closures for one method."""
     layers = device_kv.shape[1]
     if method == "copy_per_page":
@@ -336,7 +344,16 @@ def transfer_functions(method, device_kv, host_kv, device_idx, host_idx, runs, l
     return load, save
 
 
-def spot_check(device_kv, host_kv, device_idx, host_idx, layout, shape, generator, samples: int = 4) -> bool:
+def spot_check(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    layout: KVLayout,
+    shape: Shape,
+    generator: torch.Generator,
+    samples: int = 4,
+) -> bool:
     """Device and host agree on a few random (slot, layer, half) rows of the transfer just timed."""
     for _ in range(samples):
         i = int(torch.randint(0, device_idx.numel(), (), generator=generator))
@@ -363,8 +380,13 @@ def markdown(report: dict) -> str:
         f"Correctness: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks bit-exact.",
     ]
     lines += [f"- FAILED {check['name']}: {check['detail']}" for check in failed]
-    lines += ["", "| layout | layers | pages | direction | " + " | ".join(f"{m} GB/s" for m in METHODS)
-              + " | triton / copy_per_page |", "|---|---|---|---|" + "---|" * (len(METHODS) + 1)]
+    lines += [
+        "",
+        "| layout | layers | pages | direction | "
+        + " | ".join(f"{m} GB/s" for m in METHODS)
+        + " | triton / copy_per_page |",
+        "|---|---|---|---|" + "---|" * (len(METHODS) + 1),
+    ]
     table: dict[tuple, dict[str, dict]] = {}
     for row in report["results"]:
         key = (row["layout"], row["layers"], row["pages"], row["direction"])

@@ -12,7 +12,8 @@ The choice is visible (every call returns the name of the backend it used) and o
 (``torch``, ``triton`` or ``auto``). Asking for Triton where it cannot run is an error, never a
 silent fallback.
 
-Calls are stateless and thread-safe. On CUDA they are asynchronous on the caller's current stream
+Calls keep no state of their own and may come from several threads (Triton compiles each kernel
+variant on first use). On CUDA they are asynchronous on the caller's current stream
 (wrap a call in ``torch.cuda.stream(...)`` to overlap it with compute; record an event to wait
 for it); on the CPU they complete before returning.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from types import ModuleType
 
@@ -40,6 +42,7 @@ BACKEND_ENV = "HICACHE_KERNEL_BACKEND"
 BACKENDS = ("torch", "triton")
 
 _log = logging.getLogger(__name__)
+_warned: set[str] = set()  # fallback reasons already logged: one warning each, not one per layer
 
 
 def select_backend(device_kv: torch.Tensor, host_kv: torch.Tensor, requested: str | None = None) -> str:
@@ -60,7 +63,9 @@ def select_backend(device_kv: torch.Tensor, host_kv: torch.Tensor, requested: st
         why_not = _triton_unavailable_reason(device_kv, host_kv)
         if why_not is None:
             return "triton"
-        _log.warning("transfers use the torch backend: the Triton kernels cannot run here (%s)", why_not)
+        if why_not not in _warned:
+            _warned.add(why_not)
+            _log.warning("transfers use the torch backend: the Triton kernels cannot run here (%s)", why_not)
         return "torch"
     if normalized not in BACKENDS:
         raise InvalidArgumentError(
@@ -94,8 +99,7 @@ def load_layer(
     ``InvalidArgumentError`` before anything is written.
     """
     geometry = transfer_geometry(device_kv, host_kv, layout, page_size)
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < geometry.layers:
-        raise InvalidArgumentError(f"layer must be an int in [0, {geometry.layers}), got {layer!r}")
+    layer = _layer_number(layer, geometry.layers)
     device_idx, host_idx = _checked_indices(device_indices, host_indices, geometry)
     name = select_backend(device_kv, host_kv, backend)
     if device_idx.numel():
@@ -137,6 +141,16 @@ def backup(
         else:
             torch_transfer.backup(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
     return name
+
+
+def _layer_number(layer: object, layers: int) -> int:
+    try:
+        number = operator.index(layer)  # accepts numpy and 0-d integer tensors, not floats or bools
+    except TypeError:
+        number = None
+    if number is None or isinstance(layer, bool) or not 0 <= number < layers:
+        raise InvalidArgumentError(f"layer must be an int in [0, {layers}), got {layer!r}")
+    return number
 
 
 def _checked_indices(

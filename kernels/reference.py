@@ -39,7 +39,7 @@ def contiguous_runs(
     runs: list[Run] = []
     length = 0
     device_start = host_start = -1
-    for device_slot, host_slot in zip(device_indices.tolist(), host_indices.tolist()):
+    for device_slot, host_slot in zip(device_indices.tolist(), host_indices.tolist(), strict=True):
         extends = (
             length > 0
             and device_slot == device_start + length
@@ -91,9 +91,7 @@ def backup(
                 host_run(host_kv, layout, half, layer, run, page_size).copy_(device_run, non_blocking=True)
 
 
-def host_run(
-    host_kv: torch.Tensor, layout: KVLayout, half: int, layer: int, run: Run, page_size: int
-) -> torch.Tensor:
+def host_run(host_kv: torch.Tensor, layout: KVLayout, half: int, layer: int, run: Run, page_size: int) -> torch.Tensor:
     """View of ``run``'s host slots in one layer and half (contiguous except for page_first)."""
     end = run.host_start + run.length
     if layout is KVLayout.LAYER_FIRST:

@@ -8,6 +8,7 @@ subprocess, so ``TRITON_INTERPRET`` never leaks into this process).
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -18,8 +19,15 @@ import pytest
 import torch
 
 from hicache_storage.errors import InvalidArgumentError
-from hicache_storage.kernels import BACKEND_ENV, KVLayout, backup, host_shape, load_layer, select_backend
-from hicache_storage.kernels import reference
+from hicache_storage.kernels import (
+    BACKEND_ENV,
+    KVLayout,
+    backup,
+    host_shape,
+    load_layer,
+    reference,
+    select_backend,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn)
@@ -225,6 +233,9 @@ def test_select_backend_rejects_unknown_names(monkeypatch, via_env: bool) -> Non
             select_backend(device_kv, host_kv, "cuda")
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="under TRITON_INTERPRET=1 Triton does run on CPU tensors"
+)
 def test_triton_requested_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:
     device_kv, host_kv = small_pair()
     monkeypatch.setenv(BACKEND_ENV, "triton")
@@ -254,6 +265,7 @@ def test_argument_beats_environment(monkeypatch) -> None:
         (lambda d, h, kw: {**kw, "host_kv": h[..., :2].contiguous()}, "does not match"),
         (lambda d, h, kw: {**kw, "device_kv": d.transpose(3, 4)}, "contiguous"),
         (lambda d, h, kw: {**kw, "layer": 2}, r"layer must be an int in \[0, 2\)"),
+        (lambda d, h, kw: {**kw, "layer": 1.0}, r"layer must be an int in \[0, 2\), got 1.0"),
         (lambda d, h, kw: {**kw, "page_size": 3}, "multiple of page_size"),
         (lambda d, h, kw: {**kw, "layout": "layer_first"}, "does not match"),
         (lambda d, h, kw: {**kw, "host_indices": torch.tensor([0, 1])}, "same length"),
@@ -281,18 +293,27 @@ def test_bad_input_raises_before_writing(mutate, message: str) -> None:
     assert not device_kv.any()
 
 
-def test_int32_indices_and_empty_lists_are_accepted() -> None:
+def test_int32_indices_tensor_layer_and_empty_lists_are_accepted() -> None:
     device_kv, host_kv = small_pair(KVLayout.PAGE_FIRST_DIRECT)
     host_kv.copy_(torch.arange(host_kv.numel(), dtype=torch.float32).view(host_kv.shape))
     empty = torch.empty(0, dtype=torch.int64)
-    assert load_layer(
-        device_kv, host_kv, layer=0, device_indices=empty, host_indices=empty, layout="page_first_direct", page_size=4
-    ) == "torch"
+    assert (
+        load_layer(
+            device_kv,
+            host_kv,
+            layer=0,
+            device_indices=empty,
+            host_indices=empty,
+            layout="page_first_direct",
+            page_size=4,
+        )
+        == "torch"
+    )
     assert not device_kv.any()
     load_layer(
         device_kv,
         host_kv,
-        layer=1,
+        layer=torch.tensor(1),
         device_indices=torch.tensor([2], dtype=torch.int32),
         host_indices=torch.tensor([6], dtype=torch.int32),
         layout="page_first_direct",

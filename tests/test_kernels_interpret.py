@@ -160,7 +160,10 @@ else:
         [
             # 2560-byte rows: 320 int64 words, so two word blocks (the second masked) and, with
             # 24 tokens in tiles of 8, three token tiles.
-            ("wide_rows_many_tiles", dict(dtype=torch.float32, heads=4, head_dim=160, page_size=8, pattern="all_reversed")),
+            (
+                "wide_rows_many_tiles",
+                dict(dtype=torch.float32, heads=4, head_dim=160, page_size=8, pattern="all_reversed"),
+            ),
             # 3-byte rows: only one-byte words divide them.
             ("odd_byte_rows", dict(dtype=torch.uint8, halves=1, heads=1, head_dim=3, pattern="scattered")),
             # 6-byte rows: two-byte words.
