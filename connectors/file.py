@@ -22,8 +22,9 @@ Contracts:
   the caller's segments, in parallel on a pool of ``io_threads`` threads. With ``direct_io``
   (``O_DIRECT``) the kernel needs 4096-aligned addresses and sizes: segments that are not
   aligned (or are read-only) go through an mmap-backed aligned bounce buffer (one per I/O
-  thread, as large as the largest page seen), which costs one memory copy; aligned segments (a page-aligned host pool with 4 KiB-multiple
-  pages) stay zero-copy. ``stats()["direct_bounce_ios"]`` counts the bounced pages.
+  thread, as large as the largest page seen), which costs one memory copy; aligned segments
+  (a page-aligned host pool with 4 KiB-multiple pages) stay zero-copy.
+  ``stats()["direct_bounce_ios"]`` counts the bounced pages.
 * **Persistence and sharing.** Pages survive closing the backend and are visible to any
   process that opens the same root; other hosts see them only if the root is a shared mount
   (``shared_mount``).
@@ -31,11 +32,12 @@ Contracts:
   scanning it, oldest modification time first) evicts least recently used pages after each
   write until the bytes it knows of fit. Reads refresh recency in memory only, so after a
   restart recency is by last write. Within one call the first pages count as the most recent
-  (a prefix is useless without its head, so its tail goes first). A page that cannot be removed (permission, vanished) is
-  skipped, counted (``evictions_failed`` / ``evictions_vanished``) and dropped from the index,
-  so eviction never wedges; its bytes then stay on disk outside the budget. The budget covers
-  the pages this instance knows: those found at start, written by it, or read by it. Several
-  processes writing one capped root each enforce their own view.
+  (a prefix is useless without its head, so its tail goes first). A page that cannot be
+  removed (permission denied, already gone) is skipped, counted (``evictions_failed`` /
+  ``evictions_vanished``) and dropped from the index, so eviction never wedges; its bytes then
+  stay on disk outside the budget. The budget covers the pages this instance knows: those
+  found at start, written by it, or read by it. Several processes writing one capped root each
+  enforce their own view.
 * **Full disk.** ``ENOSPC`` / ``EDQUOT`` while writing a page is that page's ``False`` (not
   stored) with one logged warning per call and a ``puts_no_space`` count: a full cache disk is a
   normal state for a cache, and the other pages of the batch keep their own results. Permission
@@ -63,11 +65,12 @@ import secrets
 import shutil
 import socket
 import stat
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import pydantic
@@ -210,7 +213,8 @@ class FileBackend(StorageBackend):
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
         located = [self._locate(key) for key in keys]
         results = self._parallel(self._read_one, [(key, *loc, t) for key, loc, t in zip(keys, located, targets)])
-        self._mark_used([(rel, segments_size(t)) for (_, rel), t, hit in zip(located, targets, results) if hit], learn=True)
+        hits = [(rel, segments_size(target)) for (_, rel), target, hit in zip(located, targets, results) if hit]
+        self._mark_used(hits, learn=True)
         return results
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
@@ -704,9 +708,10 @@ class FileBackend(StorageBackend):
         try:
             for call in calls:
                 futures.append(self._pool.submit(work, *call))
-        except RuntimeError:
+        except RuntimeError:  # the pool was shut down by a concurrent close()
             for future in futures:
                 future.cancel()
+            wait(futures)
             raise BackendClosedError("backend was closed during the call", backend=self.name) from None
         results: list[T] = []
         first_error: BaseException | None = None
@@ -825,14 +830,20 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _remove_tree(path: str) -> None:
+    """Remove a cleared namespace's tree; what cannot be removed is logged, not raised."""
     if os.path.islink(path):
         os.unlink(path)
         return
 
-    def report(_function: object, failed: str, exc_info: Any) -> None:
-        logger.warning("file backend: cannot remove %s while clearing (%s)", failed, exc_info[1])
+    def report(_function: object, failed: str, error: Any) -> None:
+        # onexc passes the exception, the older onerror an exc_info tuple.
+        reason = error[1] if isinstance(error, tuple) else error
+        logger.warning("file backend: cannot remove %s while clearing (%s)", failed, reason)
 
-    shutil.rmtree(path, onerror=report)
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=report)
+    else:
+        shutil.rmtree(path, onerror=report)
 
 
 def _host_tag() -> str:

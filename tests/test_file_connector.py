@@ -438,7 +438,9 @@ def _tampered_scope(components: tuple[str, str, str]) -> PageKey:
         lambda: _tampered_scope(("/etc", "x", "y")),
         lambda: _tampered_scope(("ns", "", "kv")),
     ],
-    ids=["dotdot-path", "dotdot", "slash", "empty", "uppercase", "nul", "scope-dotdot", "tmp-dir", "absolute", "empty-part"],
+    ids=[
+        "dotdot-path", "dotdot", "slash", "empty", "uppercase", "nul", "scope-dotdot", "tmp-dir", "absolute", "empty-part"
+    ],
 )
 def test_path_escape_attempts_are_rejected(opened, tmp_path: Path, bad_key) -> None:
     store = opened()
