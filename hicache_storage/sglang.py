@@ -183,6 +183,12 @@ class HiCacheStorageAdapter(HiCacheStorage):
                 field="layout",
                 backend="sglang-adapter",
             )
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
+            raise ConfigError(
+                f"{type(mem_pool_host).__name__} has no KV buffer of its own (a logical anchor, as in DeepSeek V4); "
+                "the hicache_storage adapter needs a host pool that holds the KV pages",
+                backend="sglang-adapter",
+            )
         self.namespace = Namespace(
             model=self.model,
             kv_dtype=_format_name(mem_pool_host),

@@ -423,6 +423,9 @@ def test_unsupported_layout_and_unregistered_pool_are_refused() -> None:
     pool.layout = "page_head"
     with pytest.raises(ConfigError, match="page_head"):
         adapter.register_mem_pool_host(pool)
+    pool.layout, pool.kv_buffer = "page_first", None
+    with pytest.raises(ConfigError, match="logical anchor"):
+        adapter.register_mem_pool_host(pool)
     good = make_host_pool()
     adapter.register_mem_pool_host(good)
     with pytest.raises(InvalidArgumentError, match="host indices"):
