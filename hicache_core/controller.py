@@ -1,0 +1,586 @@
+"""The cache controller: moves KV between the tiers on the scheduler's behalf.
+
+* **Write policies** (device -> host): ``write_through`` backs a node up when it is inserted,
+  ``write_through_selective`` once it has been hit ``selective_hits`` times (default 2),
+  ``write_back`` only when it is evicted from the device.
+* **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
+  thread in batches of at most ``batch_pages``; pages already stored (a live ``prefix_exists``)
+  are skipped, and the first failed batch ends the operation. Only ``shard.is_writer`` ranks write.
+* **Prefetch** (storage -> host): issued for a request whose storage candidate is at least
+  ``threshold_tokens``; limited by the host pages in flight (a rate-limited request keeps its
+  place and is issued later). The prefetch thread asks ``prefix_exists``, revokes below the
+  threshold, and reads in batches. The scheduler stops it by the stop policy: ``best_effort``
+  (take what arrived), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens /
+  1024)`` seconds after issue).
+* **Load back** (host -> device) layer by layer; see :mod:`hicache_core.transfer`.
+* **Buffer-only**: host memory only stages pages on their way to and from storage.
+
+Threads and safety. The scheduler thread owns the tree and calls every public method here. The
+backup and prefetch threads touch only pool memory they were handed (pinned in the allocator
+while I/O is in flight, so no page is freed or reused under a transfer) and report back through
+queues; ``poll`` applies their results. Both threads survive any exception from the backend
+(logged and counted); a store that hangs is bounded by the SDK's timeout wrapper
+(``storage_timeout_s``). With tensor parallelism every timing-dependent decision is agreed
+(see :mod:`hicache_core.tp`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache_storage.backend import StorageBackend
+from hicache_storage.errors import StorageTimeoutError
+from hicache_storage.keys import KeyScope, PageKey, page_hashes
+from hicache_storage.wrappers.timeout import TimeoutWrapper
+
+from hicache_core.metrics import CacheMetrics
+from hicache_core.pools import DevicePool, HostPool
+from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
+from hicache_core.tp import TPContext
+from hicache_core.transfer import LayerLoad, Transfers
+
+log = logging.getLogger(__name__)
+
+
+class WritePolicy(str, enum.Enum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class StopPolicy(str, enum.Enum):
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    threshold_tokens: int = 256
+    stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
+    timeout_base_s: float = 2.0
+    timeout_per_ki_token_s: float = 0.1
+    timeout_max_s: float = 30.0
+    #: Most host pages prefetches may hold at once; default: half the host pool.
+    capacity_pages: int | None = None
+
+    def timeout_for(self, tokens: int) -> float:
+        return min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    buffer_only: bool = False
+    selective_hits: int = 2
+    batch_pages: int = 128
+    #: Longest wait for one storage call; ``None`` trusts the backend's own timeouts (zero-copy).
+    storage_timeout_s: float | None = 5.0
+    kernel_backend: str | None = None
+
+
+class PrefetchState(str, enum.Enum):
+    PLANNED = "planned"  # not issued yet (rate-limited requests stay here)
+    RUNNING = "running"
+    REVOKED = "revoked"  # the store had less than the threshold
+    DONE = "done"
+    FINISHED = "finished"  # consumed by the scheduler
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """One request's read of ``tokens[start:]`` from storage into host pages."""
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    hashes: list[str]
+    anchor: TreeNode
+    state: PrefetchState = PrefetchState.PLANNED
+    host_indices: torch.Tensor | None = None
+    issued_at: float = 0.0
+    hit_pages: int = 0
+    completed_pages: int = 0
+    terminate: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pages(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(eq=False)
+class _BackupOp:
+    node: TreeNode
+    hashes: list[str]
+    host_indices: torch.Tensor
+    stored_pages: int = 0
+
+
+@dataclass(eq=False)
+class _PendingWrite:
+    node: TreeNode
+    event: torch.cuda.Event | None
+
+
+class CacheController:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        tree: RadixTree,
+        device: DevicePool,
+        host: HostPool | None = None,
+        *,
+        metrics: CacheMetrics | None = None,
+        tp: TPContext | None = None,
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.metrics = metrics or CacheMetrics()
+        self.tp = tp or TPContext()
+        self.page_size = device.page_size
+        self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
+        self.storage: StorageBackend | None = None
+        self.scope: KeyScope | None = None
+        self._pending_writes: deque[_PendingWrite] = deque()
+        self._backup_queue: queue.SimpleQueue[_BackupOp | None] = queue.SimpleQueue()
+        self._backup_acks: queue.SimpleQueue[_BackupOp] = queue.SimpleQueue()
+        self._backups_outstanding = 0
+        self._prefetch_queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
+        self._prefetch_pages_in_flight = 0
+        self._threads: list[threading.Thread] = []
+        self._staged_loads: list[tuple[LayerLoad, list[TreeNode]]] = []
+        if host is not None:
+            default_capacity = max(1, host.num_pages // 2)
+            self.prefetch_capacity = config.prefetch.capacity_pages or default_capacity
+        else:
+            self.prefetch_capacity = 0
+
+    # --- storage attachment -------------------------------------------------------------------
+
+    def attach_storage(self, backend: StorageBackend, scope: KeyScope) -> None:
+        """Start using ``backend`` as L3 (needs a host pool); starts the backup and prefetch threads."""
+        if self.host is None:
+            raise ValueError("storage (L3) needs a host pool (L2) to stage pages in")
+        if self.storage is not None:
+            raise RuntimeError("a storage backend is already attached; detach it first")
+        if self.config.storage_timeout_s is not None:
+            backend = TimeoutWrapper(backend, {"seconds": self.config.storage_timeout_s})
+        try:
+            backend.register_buffer(self.host.as_buffer())
+        except Exception:  # registration is an optimization: a store that refuses it still works
+            log.exception("registering the host pool with %s failed; continuing without", backend.name)
+        self.storage, self.scope = backend, scope
+        self._threads = [
+            threading.Thread(target=self._backup_loop, args=(backend,), name="hicache-backup", daemon=True),
+            threading.Thread(target=self._prefetch_loop, args=(backend,), name="hicache-prefetch", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def detach_storage(self) -> StorageBackend | None:
+        """Stop using L3: queued backups and prefetches finish (bounded by the timeout), then the threads exit.
+
+        Returns the backend as attached (inside the timeout wrapper when one is configured); the
+        caller closes it. Prefetches still held by requests stay consumable.
+        """
+        backend = self.storage
+        if backend is None:
+            return None
+        self.storage = None
+        self._backup_queue.put(None)
+        self._prefetch_queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        self.drain()
+        return backend
+
+    @property
+    def threads_alive(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    @property
+    def storage_writer(self) -> bool:
+        return self.storage is not None and self.scope is not None and self.scope.shard.is_writer
+
+    # --- device and host memory ---------------------------------------------------------------
+
+    def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Whole pages for ``num_tokens`` device slots, evicting LRU nodes if needed; None if impossible."""
+        slots = self.device.allocator.alloc(num_tokens)
+        if slots is None:
+            missing = -(-num_tokens // self.page_size) - self.device.allocator.free_pages
+            backup = self._backup_on_evict if self.config.write_policy is WritePolicy.WRITE_BACK and self.host else None
+            freed = self.tree.evict_device(missing * self.page_size, backup)
+            self.metrics.add(device_evicted_tokens=freed)
+            slots = self.device.allocator.alloc(num_tokens)
+        return slots
+
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        assert self.host is not None
+        slots = self.host.allocator.alloc(num_tokens)
+        if slots is None:
+            missing = -(-num_tokens // self.page_size) - self.host.allocator.free_pages
+            freed = self.tree.evict_host(missing * self.page_size)
+            self.metrics.add(host_evicted_tokens=freed)
+            slots = self.host.allocator.alloc(num_tokens)
+        return slots
+
+    # --- writes: device -> host -> storage ----------------------------------------------------
+
+    def on_insert(self, result: InsertResult) -> None:
+        """Apply the write policy to the nodes an insert created or touched."""
+        if self.host is None or self.config.write_policy is WritePolicy.WRITE_BACK:
+            return
+        for node in [*result.existing_nodes, *result.new_nodes]:
+            if node.device_value is None or node.host_value is not None:
+                continue
+            if self.config.write_policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
+                self.write_to_host(node)
+
+    def write_to_host(self, node: TreeNode, *, wait: bool = False) -> bool:
+        """Copy ``node``'s device KV to new host pages; storage backup follows when the copy completes."""
+        assert self.transfers is not None and node.device_value is not None
+        started = time.perf_counter()
+        host_slots = self.alloc_host(len(node.key))
+        if host_slots is None:
+            return False
+        event = self.transfers.backup(node.device_value, host_slots)
+        node.host_value = host_slots
+        self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
+        if event is not None and wait:
+            event.synchronize()
+            event = None
+        self.tree.lock(node)  # the device copy stays until the host copy is complete
+        self._pending_writes.append(_PendingWrite(node, event))
+        if event is None:
+            self._ack_writes(wait_all=True)
+        self.metrics.add(host_backup_seconds=time.perf_counter() - started)
+        return True
+
+    def _backup_on_evict(self, node: TreeNode) -> bool:
+        return self.write_to_host(node, wait=True)
+
+    def _ack_writes(self, wait_all: bool = False) -> None:
+        ready = 0
+        for pending in self._pending_writes:
+            if pending.event is not None and not pending.event.query():
+                break
+            ready += 1
+        if not wait_all:
+            ready = self.tp.scheduler.all_min(ready)
+        for _ in range(ready):
+            pending = self._pending_writes.popleft()
+            self.tree.unlock(pending.node)
+            self._queue_storage_backup(pending.node)
+
+    def _queue_storage_backup(self, node: TreeNode) -> None:
+        if not self.storage_writer or node.host_value is None:
+            if self.config.buffer_only and self.storage is not None:
+                self._drop_staging(node)
+            return
+        op = _BackupOp(node, list(node.page_hashes), node.host_value.clone())
+        self.tree.protect_host(node)
+        assert self.host is not None
+        self.host.allocator.pin_io(op.host_indices)
+        self._backups_outstanding += 1
+        self._backup_queue.put(op)
+
+    def _backup_loop(self, backend: StorageBackend) -> None:
+        while True:
+            op = self._backup_queue.get()
+            if op is None:
+                return
+            try:
+                self._run_backup(backend, op)
+            except Exception:  # never let one failure stop later backups
+                log.exception("storage backup of %d pages failed", len(op.hashes))
+                self.metrics.add(storage_errors=1)
+            finally:
+                assert self.host is not None
+                self.host.allocator.unpin_io(op.host_indices)
+                self._backup_acks.put(op)
+
+    def _run_backup(self, backend: StorageBackend, op: _BackupOp) -> None:
+        assert self.scope is not None and self.host is not None
+        started = time.perf_counter()
+        keys = self.scope.keys(op.hashes)
+        present = self._guarded(lambda: backend.prefix_exists(keys), 0, "exists")
+        op.stored_pages = present
+        self.metrics.add(storage_backup_skipped_pages=present)
+        segments = self.host.segments_for(op.host_indices)
+        step = self.config.batch_pages
+        for begin in range(present, len(keys), step):
+            batch = slice(begin, min(begin + step, len(keys)))
+            results = self._guarded(lambda: backend.put_from(keys[batch], segments[batch]), None, "put")
+            stored = _leading(results)
+            op.stored_pages += stored
+            self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * self.host.page_bytes)
+            if results is None or stored < len(results):
+                self.metrics.add(storage_backup_failed_batches=1)
+                break
+        self.metrics.add(storage_backup_ops=1, storage_backup_seconds=time.perf_counter() - started)
+
+    def _drop_staging(self, node: TreeNode) -> None:
+        """Buffer-only: the host copy was only staging; free it once nothing reads it."""
+        if node.host_value is not None and node.host_ref == 0 and node.lock_ref == 0:
+            self.tree.drop_host_value(node)
+
+    # --- reads: storage -> host ---------------------------------------------------------------
+
+    def plan_prefetch(self, request_id: str, tokens: list[int], match: MatchResult) -> PrefetchOp | None:
+        """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold."""
+        if self.storage is None:
+            return None
+        start = match.matched_length
+        whole = (len(tokens) - start) // self.page_size
+        whole = min(whole, self.prefetch_capacity)
+        if whole * self.page_size < max(self.config.prefetch.threshold_tokens, 1):
+            return None
+        candidate = tokens[start : start + whole * self.page_size]
+        hashes = page_hashes(candidate, self.page_size, match.host_node.last_hash)
+        op = PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes, match.host_node)
+        self.tree.protect_host(op.anchor)
+        return op
+
+    def try_issue(self, op: PrefetchOp) -> bool:
+        """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
+        assert op.state is PrefetchState.PLANNED
+        slots = None
+        if self._prefetch_pages_in_flight + op.pages <= self.prefetch_capacity:
+            slots = self.alloc_host(op.pages * self.page_size)
+        limited = self.tp.scheduler.all_max(int(slots is None))
+        if limited:
+            if slots is not None:
+                self.host.allocator.free(slots)  # type: ignore[union-attr]
+            self.metrics.add(prefetch_rate_limited=1)
+            return False
+        assert slots is not None and self.host is not None
+        op.host_indices = slots
+        op.issued_at = time.monotonic()
+        op.state = PrefetchState.RUNNING
+        self.host.allocator.pin_io(slots)
+        self._prefetch_pages_in_flight += op.pages
+        self.metrics.add(prefetch_issued=1)
+        if self.storage is None:  # detached meanwhile: nothing will read; release it as revoked
+            self.host.allocator.unpin_io(slots)
+            op.state = PrefetchState.REVOKED
+            op.done.set()
+        else:
+            self._prefetch_queue.put(op)
+        return True
+
+    def prefetch_ready(self, op: PrefetchOp) -> bool:
+        """Whether the request may stop waiting for ``op``, by the stop policy (agreed: MAX of 'keep waiting')."""
+        if op.state is PrefetchState.PLANNED:
+            return False
+        policy = self.config.prefetch.stop_policy
+        if policy is StopPolicy.BEST_EFFORT or op.done.is_set():
+            keep_waiting = False
+        elif policy is StopPolicy.WAIT_COMPLETE:
+            keep_waiting = True
+        else:
+            waited = time.monotonic() - op.issued_at
+            keep_waiting = waited < self.config.prefetch.timeout_for(op.pages * self.page_size)
+        return not self.tp.scheduler.all_max(int(keep_waiting))
+
+    def finish_prefetch(self, op: PrefetchOp) -> int:
+        """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted."""
+        inserted = 0
+        if op.state is not PrefetchState.PLANNED:
+            assert self.host is not None and op.host_indices is not None
+            op.terminate.set()
+            if not op.done.is_set():
+                self.metrics.add(prefetch_terminated_early=1)
+            completed = self.tp.scheduler.all_min(op.completed_pages)
+            used = completed * self.page_size
+            if used:
+                result = self.tree.insert_host(op.tokens[: op.start + used], op.start, op.host_indices[:used])
+                if result is None:
+                    self.metrics.add(prefetch_dropped_tokens=used)
+                    self.host.allocator.free(op.host_indices[:used])
+                else:
+                    inserted = result.inserted_tokens
+                    for unused in result.unused:
+                        self.host.allocator.free(unused)
+            if used < op.host_indices.numel():
+                self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
+            self._prefetch_pages_in_flight -= op.pages
+        self.tree.release_host(op.anchor)
+        op.state = PrefetchState.FINISHED
+        return inserted
+
+    def _prefetch_loop(self, backend: StorageBackend) -> None:
+        while True:
+            op = self._prefetch_queue.get()
+            if op is None:
+                return
+            try:
+                self._run_prefetch(backend, op)
+            except Exception:
+                log.exception("prefetch for request %s failed", op.request_id)
+                self.metrics.add(storage_errors=1)
+            finally:
+                if op.state is PrefetchState.RUNNING:
+                    op.state = PrefetchState.DONE
+                op.done.set()
+
+    def _run_prefetch(self, backend: StorageBackend, op: PrefetchOp) -> None:
+        assert self.scope is not None and self.host is not None and op.host_indices is not None
+        keys: list[PageKey] = self.scope.keys(op.hashes)
+        local_hit = 0 if op.terminate.is_set() else self._guarded(lambda: backend.prefix_exists(keys), 0, "exists")
+        # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
+        op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+        pinned_from = 0
+        try:
+            if hit * self.page_size < self.config.prefetch.threshold_tokens:
+                op.state = PrefetchState.REVOKED
+                self.metrics.add(prefetch_revoked=1)
+                return
+            started = time.perf_counter()
+            segments = self.host.segments_for(op.host_indices[: hit * self.page_size])
+            step = self.config.batch_pages
+            for begin in range(0, hit, step):
+                if op.terminate.is_set():
+                    break
+                batch = slice(begin, min(begin + step, hit))
+                results = self._guarded(lambda: backend.get_into(keys[batch], segments[batch]), None, "get")
+                got = _leading(results)
+                slot_end = (begin + got) * self.page_size
+                self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
+                pinned_from = slot_end
+                op.completed_pages += got
+                self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
+                if results is None or got < len(results):
+                    self.metrics.add(prefetch_failed_batches=1)
+                    break
+            self.metrics.add(prefetch_seconds=time.perf_counter() - started)
+        finally:
+            self.host.allocator.unpin_io(op.host_indices[pinned_from:])
+
+    def _guarded(self, call, default, operation: str):  # type: ignore[no-untyped-def]
+        """Run one storage call; any exception is logged, counted and replaced by ``default``."""
+        try:
+            return call()
+        except StorageTimeoutError as exc:
+            log.warning("storage %s timed out: %s", operation, exc)
+            self.metrics.add(storage_timeouts=1)
+        except Exception as exc:
+            log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
+            self.metrics.add(storage_errors=1)
+        return default
+
+    # --- host -> device ----------------------------------------------------------------------
+
+    def load_back(self, match: MatchResult) -> tuple[TreeNode, LayerLoad | None]:
+        """Bring the host part of ``match`` to the device, layer by layer.
+
+        Locks and returns the deepest node now usable (the host node on success, else the
+        device node when device memory could not be found), and the load to wait on (None when
+        nothing is loaded). The caller unlocks the node when the request is done.
+        """
+        if match.host_hit_length == 0 or self.transfers is None:
+            self.tree.lock(match.device_node)
+            return match.device_node, None
+        self.tree.lock(match.host_node)  # keeps the host copies and the device prefix during the load
+        slots = self.alloc_device(match.host_hit_length)
+        if slots is None:
+            self.tree.unlock(match.host_node)
+            self.tree.lock(match.device_node)
+            return match.device_node, None
+        nodes: list[TreeNode] = []
+        node = match.host_node
+        while node is not match.device_node:
+            nodes.append(node)
+            node = node.parent  # type: ignore[assignment]
+        nodes.reverse()
+        host_parts, offset = [], 0
+        for node in nodes:
+            assert node.host_value is not None and node.device_value is None
+            node.device_value = slots[offset : offset + len(node.key)]
+            host_parts.append(node.host_value)
+            offset += len(node.key)
+        device_indices = slots[:offset]
+        host_indices = torch.cat(host_parts)
+        bytes_moved = offset * self.device.geometry.token_bytes
+
+        def on_done(load: LayerLoad) -> None:
+            self.metrics.add(load_back_tokens=load.tokens, load_back_bytes=bytes_moved, load_back_seconds=load.seconds)
+
+        load = self.transfers.load(device_indices, host_indices, on_done)
+        if self.config.buffer_only and self.storage is not None:
+            self._staged_loads.append((load, nodes))
+        return match.host_node, load
+
+    def release_staged_loads(self) -> None:
+        """Buffer-only: after the loads are waited for, free the host staging they read."""
+        for load, nodes in self._staged_loads:
+            load.wait_all()
+            for node in nodes:
+                self._drop_staging(node)
+        self._staged_loads.clear()
+
+    # --- progress ----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply finished device -> host copies and storage backups (counts agreed across ranks)."""
+        self._ack_writes()
+        ready = self.tp.scheduler.all_min(self._backup_acks.qsize())
+        for _ in range(ready):
+            op = self._backup_acks.get()
+            self._backups_outstanding -= 1
+            self.tree.release_host(op.node)
+            if self.config.buffer_only:
+                self._drop_staging(op.node)
+
+    def drain(self, poll_interval_s: float = 0.001) -> None:
+        """Wait until every queued device -> host copy and storage backup has completed and been applied."""
+        while True:
+            self.poll()
+            busy = self.tp.scheduler.all_max(int(bool(self._pending_writes) or self._backups_outstanding > 0))
+            if not busy:
+                return
+            time.sleep(poll_interval_s)
+
+    def flush(self) -> None:
+        """Empty L1 and L2 (after finishing every backup); storage keeps its pages."""
+        self.drain()
+        self.metrics.add(device_evicted_tokens=self.tree.evict_device(1 << 62, self._backup_on_evict if self._write_back_to_host else None))
+        self.drain()
+        if self.host is not None:
+            self.metrics.add(host_evicted_tokens=self.tree.evict_host(1 << 62))
+
+    @property
+    def _write_back_to_host(self) -> bool:
+        return self.host is not None and self.config.write_policy is WritePolicy.WRITE_BACK
+
+    def close(self) -> None:
+        backend = self.detach_storage()
+        if backend is not None:
+            backend.close()
+        if self.transfers is not None:
+            self.transfers.close()
+
+
+def _leading(results: list[bool] | None) -> int:
+    """How many results, from the first, are True (reads use only the leading run of successes)."""
+    if results is None:
+        return 0
+    count = 0
+    for ok in results:
+        if not ok:
+            break
+        count += 1
+    return count

@@ -1,0 +1,435 @@
+"""The reference engine: a minimal scheduler serving (multi-turn) requests through the HiCache core.
+
+Per request: match the prompt in the radix tree, prefetch from storage when the storage part is
+long enough, wait by the stop policy, load the host part back layer by layer, prefill the rest,
+decode greedily, insert the sequence into the tree (the write policy backs it up). Requests run
+interleaved, at most ``max_running`` at a time; a request that is not ready (prefetch pending) is
+skipped, not waited for.
+
+Use::
+
+    engine = Engine(EngineConfig(tiers=CacheTiers.L1_L2_L3, storage_backend="file",
+                                 storage_config={"root": "/tmp/kv"}))
+    results = engine.serve([Request("a", tokens, max_new_tokens=8)])
+    results[0].output_ids, results[0].cached_storage, results[0].ttft_s
+    engine.metrics.snapshot()
+
+``EngineConfig.compute`` set to a :class:`~hicache_core.model.ModeledCompute` replaces the
+forward pass by its modeled cost (sleep) while every KV movement stays real. Single-threaded:
+call an engine from one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache_storage.backend import StorageBackend
+from hicache_storage.keys import KeyScope, Namespace, Shard
+from hicache_storage.registry import create_backend
+
+from hicache_core.controller import CacheController, ControllerConfig, PrefetchOp
+from hicache_core.metrics import CacheMetrics
+from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
+from hicache_core.pools import DevicePool, HostPool
+from hicache_core.radix_tree import RadixTree, TreeNode
+from hicache_core.tp import TPContext
+from hicache_core.transfer import LayerLoad
+
+
+class CacheTiers(str, enum.Enum):
+    OFF = "off"  # no prefix reuse at all: every prompt is recomputed
+    L1 = "L1"
+    L1_L2 = "L1+L2"
+    L1_L2_L3 = "L1+L2+L3"
+
+    @property
+    def host(self) -> bool:
+        return self in (CacheTiers.L1_L2, CacheTiers.L1_L2_L3)
+
+    @property
+    def storage(self) -> bool:
+        return self is CacheTiers.L1_L2_L3
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tiers: CacheTiers = CacheTiers.L1_L2
+    page_size: int = 16
+    device_pages: int = 256
+    #: Host pool size: exactly one of these (``host_ratio`` is relative to the device pool).
+    host_ratio: float | None = 2.0
+    host_pages: int | None = None
+    host_bytes: int | None = None
+    layout: str = "page_first"
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    #: L3: a registry name and config, or pass a backend instance to ``Engine``.
+    storage_backend: str | None = None
+    storage_config: dict[str, Any] | None = None
+    tenant: str | None = None
+    revision: str | None = None
+    max_running: int = 8
+    #: ``None`` runs the reference model; a ModeledCompute sleeps for the modeled cost instead.
+    compute: ModeledCompute | None = None
+    device: str | None = None
+    tp: TPContext | None = None
+
+
+@dataclass
+class Request:
+    rid: str
+    tokens: list[int]
+    max_new_tokens: int = 8
+
+
+@dataclass
+class RequestResult:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    #: Logits of each generated token, ``(max_new_tokens, vocab)``; None under modeled compute.
+    logits: torch.Tensor | None = None
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_storage: int = 0
+    computed: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_host + self.cached_storage
+
+
+class EngineCapacityError(RuntimeError):
+    """One request needs more device memory than the whole device pool can give it."""
+
+
+@dataclass(eq=False)
+class _Live:
+    request: Request
+    result: RequestResult
+    submitted: float
+    prefetch: PrefetchOp | None = None
+    node: TreeNode | None = None
+    prefix_slots: torch.Tensor | None = None
+    own_slots: torch.Tensor | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix_slots is None else int(self.prefix_slots.numel())
+
+    def context(self, length: int) -> torch.Tensor:
+        assert self.prefix_slots is not None and self.own_slots is not None
+        return torch.cat([self.prefix_slots, self.own_slots[: length - self.prefix_len]])
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, storage: StorageBackend | None = None) -> None:
+        self.config = config
+        self.tp = config.tp or TPContext()
+        geometry = config.model.geometry
+        self.device_pool = DevicePool(geometry, config.device_pages, config.page_size, config.device)
+        self.host_pool: HostPool | None = None
+        if config.tiers.host:
+            self.host_pool = HostPool(
+                geometry,
+                config.page_size,
+                config.layout,
+                num_pages=config.host_pages,
+                ratio=config.host_ratio if config.host_pages is None and config.host_bytes is None else None,
+                size_bytes=config.host_bytes,
+                device_pool=self.device_pool,
+            )
+        self.metrics = CacheMetrics()
+        self.tree = RadixTree(
+            config.page_size,
+            free_device=self.device_pool.allocator.free,
+            free_host=self.host_pool.allocator.free if self.host_pool else None,
+        )
+        self.controller = CacheController(
+            config.controller, self.tree, self.device_pool, self.host_pool, metrics=self.metrics, tp=self.tp
+        )
+        self.model = TinyDecoder(config.model, self.device_pool.device) if config.compute is None else None
+        self._waiting: list[_Live] = []
+        self._running: list[_Live] = []
+        self._prefilled: set[int] = set()
+        self._done: dict[str, RequestResult] = {}
+        if config.tiers.storage:
+            if storage is None:
+                if config.storage_backend is None:
+                    raise ValueError("tiers L1+L2+L3 need storage: pass a backend or set storage_backend")
+                storage = create_backend(config.storage_backend, config.storage_config)
+            self.attach_storage(storage)
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @property
+    def key_scope(self) -> KeyScope:
+        """Where this engine's pages live in storage: model, dtype, page size, layout, tenant, shard."""
+        c = self.config
+        namespace = Namespace(
+            c.model.name, c.model.geometry.dtype_name, c.page_size, c.layout, revision=c.revision, tenant=c.tenant
+        )
+        shard = Shard(tp_rank=self.tp.rank, tp_size=self.tp.size, replicated=c.model.mla)
+        return KeyScope(namespace, shard, "kv")
+
+    def attach_storage(self, backend: StorageBackend) -> None:
+        self.controller.attach_storage(backend, self.key_scope)
+
+    def detach_storage(self) -> StorageBackend | None:
+        return self.controller.detach_storage()
+
+    def serve(self, requests: Sequence[Request]) -> list[RequestResult]:
+        """Run ``requests`` to completion; results in the same order."""
+        for request in requests:
+            self.submit(request)
+        while self.has_work():
+            self.step()
+        return [self._done.pop(r.rid) for r in requests]
+
+    def submit(self, request: Request) -> None:
+        if request.max_new_tokens < 1 or len(request.tokens) < 1:
+            raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
+        live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter())
+        if self.config.tiers is not CacheTiers.OFF:
+            match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
+            live.prefetch = self.controller.plan_prefetch(request.rid, list(request.tokens), match)
+        self._waiting.append(live)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> None:
+        """One scheduling round: apply finished I/O, admit ready requests (prefill), decode one token each."""
+        self.controller.poll()
+        progressed = self._admit()
+        for live in list(self._running):
+            if id(live) in self._prefilled:
+                self._prefilled.discard(id(live))
+                continue
+            self._decode(live)
+            progressed = True
+        if not progressed:
+            time.sleep(0.0005)
+
+    def flush_cache(self) -> None:
+        """Empty L1 and L2 after finishing every backup; L3 keeps its pages. No request may be running."""
+        if self.has_work():
+            raise RuntimeError("flush_cache needs an idle engine")
+        self.controller.flush()
+
+    def close(self) -> None:
+        self.controller.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def _matchable(self, request: Request) -> list[int]:
+        """The prompt minus its last token: that one is always computed, to produce logits."""
+        return list(request.tokens[:-1])
+
+    def _admit(self) -> bool:
+        admitted = False
+        for live in list(self._waiting):
+            if len(self._running) >= self.config.max_running:
+                break
+            op = live.prefetch
+            if op is not None:
+                if op.state.value == "planned" and not self.controller.try_issue(op):
+                    continue
+                if not self.controller.prefetch_ready(op):
+                    continue
+            if self._start(live):
+                self._waiting.remove(live)
+                self._running.append(live)
+                admitted = True
+                if len(live.result.output_ids) >= live.request.max_new_tokens:
+                    self._finish(live)
+                else:
+                    self._prefilled.add(id(live))
+            elif not self._running:
+                raise EngineCapacityError(
+                    f"request {live.request.rid!r} needs {len(live.request.tokens) + live.request.max_new_tokens} "
+                    f"token slots but the device pool cannot free that many ({self.config.device_pages} pages of "
+                    f"{self.config.page_size}); raise device_pages"
+                )
+            else:
+                break
+        return admitted
+
+    def _start(self, live: _Live) -> bool:
+        """Place the request's KV (cached prefix + new slots) and prefill; False if device memory is short."""
+        request, result = live.request, live.result
+        inserted = 0
+        if live.prefetch is not None:
+            inserted = self.controller.finish_prefetch(live.prefetch)
+            live.prefetch = None
+        load: LayerLoad | None = None
+        device_hit = 0
+        if self.config.tiers is CacheTiers.OFF:
+            live.prefix_slots = torch.empty(0, dtype=torch.int64)
+        else:
+            count_host = not self.config.controller.buffer_only or inserted > 0
+            match = self.tree.match_prefix(self._matchable(request), count_host=count_host)
+            live.node, load = self.controller.load_back(match)
+            device_hit = match.device_hit_length
+            live.prefix_slots = self._path_slots(live.node)
+        need = len(request.tokens) + request.max_new_tokens - 1 - live.prefix_len
+        live.own_slots = self.controller.alloc_device(need)
+        if live.own_slots is None:
+            if load is not None:
+                load.wait_all()
+            if live.node is not None:
+                self.tree.unlock(live.node)
+                live.node = None
+            return False
+        loaded = live.prefix_len - device_hit
+        result.cached_device = device_hit
+        result.cached_storage = min(inserted, loaded)
+        result.cached_host = loaded - result.cached_storage
+        result.computed = len(request.tokens) - live.prefix_len
+        self.metrics.add(
+            prompt_tokens=len(request.tokens),
+            device_hit_tokens=result.cached_device,
+            host_hit_tokens=result.cached_host,
+            storage_hit_tokens=result.cached_storage,
+            computed_tokens=result.computed,
+        )
+        new_tokens = request.tokens[live.prefix_len :]
+        self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
+        result.ttft_s = time.perf_counter() - live.submitted
+        if load is not None:
+            self.controller.release_staged_loads()
+        return True
+
+    def _path_slots(self, node: TreeNode) -> torch.Tensor:
+        parts = []
+        while node is not self.tree.root:
+            assert node.device_value is not None
+            parts.append(node.device_value)
+            node = node.parent  # type: ignore[assignment]
+        parts.reverse()
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def _decode(self, live: _Live) -> None:
+        length = len(live.request.tokens) + len(live.result.output_ids)
+        self._forward(live, live.result.output_ids[-1:], length, None, prefill=False)
+        if len(live.result.output_ids) >= live.request.max_new_tokens:
+            self._finish(live)
+
+    def _forward(self, live: _Live, tokens: Sequence[int], length: int, load: LayerLoad | None, *, prefill: bool) -> None:
+        """Compute ``tokens`` (the last ones of a ``length``-token context) and append the next token."""
+        context = live.context(length)
+        new_slots = context[length - len(tokens) :]
+        if self.model is not None:
+            ids = torch.tensor(list(tokens), dtype=torch.int64)
+            logits = self.model.forward(
+                ids, self.device_pool.kv, new_slots.to(self.device_pool.device), context.to(self.device_pool.device),
+                load.wait if load is not None else None,
+            )
+            last = logits[-1].cpu()
+            live.logits.append(last)
+            live.result.output_ids.append(int(last.argmax()))
+            return
+        compute = self.config.compute
+        assert compute is not None
+        layers = self.config.model.layers
+        per_layer = (compute.prefill_seconds(len(tokens)) if prefill else compute.decode_seconds()) / layers
+        for layer in range(layers):
+            if load is not None:
+                load.wait(layer)
+            time.sleep(per_layer)
+        seed = (sum(tokens[-4:]) * 31 + length) % self.config.model.vocab_size
+        live.result.output_ids.append(seed)
+
+    def _finish(self, live: _Live) -> None:
+        self._running.remove(live)
+        self._prefilled.discard(id(live))
+        request, result = live.request, live.result
+        assert live.own_slots is not None
+        if self.config.tiers is CacheTiers.OFF:
+            self.device_pool.allocator.free(live.own_slots)
+        else:
+            self._cache(live)
+        if live.logits:
+            result.logits = torch.stack(live.logits)
+        result.latency_s = time.perf_counter() - live.submitted
+        self._done[request.rid] = result
+
+    def _cache(self, live: _Live) -> None:
+        """Insert the whole pages whose KV was computed; free the request's other slots."""
+        assert live.own_slots is not None and live.node is not None
+        ps = self.config.page_size
+        with_kv = list(live.request.tokens) + live.result.output_ids[:-1]
+        full = len(with_kv) // ps * ps
+        prefix = live.prefix_len
+        own = live.own_slots
+        keep_until = max(full - prefix, 0)
+        if full > prefix:
+            inserted = self.tree.insert(with_kv[:full], live.context(full))
+            duplicate = max(inserted.duplicate_length - prefix, 0)
+            if duplicate:
+                self.device_pool.allocator.free(own[:duplicate])
+        else:
+            inserted = None
+        if own.numel() > keep_until:
+            self.device_pool.allocator.free(own[keep_until:])
+        self.tree.unlock(live.node)
+        live.node = None
+        if inserted is not None:
+            self.controller.on_insert(inserted)
+
+
+def serve_conversations(engine: Engine, conversations: Sequence[Sequence[Sequence[int]]], max_new_tokens: int = 8) -> list[list[RequestResult]]:
+    """Multi-turn serving with a barrier per round: round r's prompt of conversation c is c's
+    history (prompts and outputs so far) followed by its r-th turn. Returns results per round."""
+    histories: list[list[int]] = [[] for _ in conversations]
+    rounds = max(len(turns) for turns in conversations)
+    out: list[list[RequestResult]] = []
+    for r in range(rounds):
+        requests = []
+        for c, turns in enumerate(conversations):
+            if r < len(turns):
+                requests.append((c, Request(f"c{c}-r{r}", histories[c] + list(turns[r]), max_new_tokens)))
+        results = engine.serve([req for _, req in requests])
+        for (c, req), res in zip(requests, results):
+            histories[c] = req.tokens + res.output_ids
+        out.append(results)
+    return out
+
+
+def make_conversations(clients: int, rounds: int, turn_tokens: int, vocab_size: int, seed: int = 0) -> list[list[list[int]]]:
+    """Random turns: ``clients`` conversations of ``rounds`` turns of ``turn_tokens`` tokens each."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randint(0, vocab_size, (turn_tokens,), generator=gen).tolist() for _ in range(rounds)]
+        for _ in range(clients)
+    ]
+
+
+__all__ = [
+    "CacheMetrics",
+    "CacheTiers",
+    "Engine",
+    "EngineCapacityError",
+    "EngineConfig",
+    "Request",
+    "RequestResult",
+    "make_conversations",
+    "serve_conversations",
+]

@@ -1,0 +1,82 @@
+"""Counters of the HiCache core: where tokens came from, what moved, how long it took.
+
+One :class:`CacheMetrics` per engine, updated from the scheduler, backup, prefetch and load
+threads (thread-safe). ``snapshot()`` returns plain numbers plus derived bandwidths, for tests,
+the benchmark's tables and logs.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class CacheCounters:
+    # tokens of prompts, by where their KV came from
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    computed_tokens: int = 0
+    # device <-> host
+    host_backup_pages: int = 0
+    host_backup_seconds: float = 0.0
+    load_back_tokens: int = 0
+    load_back_bytes: int = 0
+    load_back_seconds: float = 0.0
+    # host -> storage
+    storage_backup_ops: int = 0
+    storage_backup_pages: int = 0
+    storage_backup_skipped_pages: int = 0
+    storage_backup_bytes: int = 0
+    storage_backup_seconds: float = 0.0
+    storage_backup_failed_batches: int = 0
+    # storage -> host
+    prefetch_issued: int = 0
+    prefetch_rate_limited: int = 0
+    prefetch_revoked: int = 0
+    prefetch_terminated_early: int = 0
+    prefetch_pages: int = 0
+    prefetch_bytes: int = 0
+    prefetch_seconds: float = 0.0
+    prefetch_failed_batches: int = 0
+    prefetch_dropped_tokens: int = 0
+    # faults
+    storage_errors: int = 0
+    storage_timeouts: int = 0
+    # evictions
+    device_evicted_tokens: int = 0
+    host_evicted_tokens: int = 0
+
+
+class CacheMetrics:
+    """Thread-safe accumulation of :class:`CacheCounters`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters = CacheCounters()
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counters = CacheCounters()
+
+    def snapshot(self) -> dict[str, float]:
+        """Every counter, plus ``*_gbps`` bandwidths (GB/s over the time spent moving) and hit rate."""
+        with self._lock:
+            data: dict[str, float] = asdict(self._counters)
+        for prefix in ("load_back", "storage_backup", "prefetch"):
+            seconds = data[f"{prefix}_seconds"]
+            data[f"{prefix}_gbps"] = data[f"{prefix}_bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+        prompt = data["prompt_tokens"]
+        cached = data["device_hit_tokens"] + data["host_hit_tokens"] + data["storage_hit_tokens"]
+        data["cache_hit_rate"] = cached / prompt if prompt else 0.0
+        return data
+
+
+COUNTER_NAMES = tuple(f.name for f in fields(CacheCounters))

@@ -1,0 +1,225 @@
+"""The reference decoder: a tiny random-weight transformer over paged KV, bit-exact by construction.
+
+Why it exists: the differential test compares a run with HiCache off against runs whose KV came
+back from the host or from storage. That comparison means something only if the model's output
+for a token depends on the token's context and never on how the work was batched (a prefill of
+the whole prompt vs. a prefill of the uncached tail vs. one decode step). Library matmuls and
+reductions do not promise that (their summation order changes with the shapes), so this model
+uses only elementwise IEEE operations (each correctly rounded, whatever the vector width) and
+reductions written as a fixed pairwise fold over a zero-padded power-of-two axis. Zero padding
+leaves a fold's result unchanged, so a query sees the same additions in the same order whether
+its batch holds 1 or 500 tokens, or its context 40 or 4000. ``exp`` is replaced by
+``(1 + x/256)**256`` (eight squarings) for the same reason. The result is deterministic on the
+CPU and on CUDA alike.
+
+Shapes: multi-head attention with grouped-query KV heads (``q_heads`` a multiple of
+``kv_heads``), RMSNorm, RoPE (table computed once), a ReLU MLP, tied-free output head. With
+``mla=True`` the cache holds one latent per token (``latent_dim``), expanded to K and V per
+forward, as in multi-head latent attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from hicache_core.pools import KVGeometry
+
+#: Attention works on query chunks of at most this many (query x key x head x dim) elements.
+ATTENTION_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 3
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ffn: int = 128
+    mla: bool = False
+    latent_dim: int = 32
+    max_positions: int = 1 << 16
+    seed: int = 0
+    dtype: torch.dtype = field(default=torch.float32)
+
+    def __post_init__(self) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def geometry(self) -> KVGeometry:
+        if self.mla:
+            return KVGeometry(self.layers, 1, self.latent_dim, self.dtype, is_mla=True)
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def name(self) -> str:
+        """Identity of the weights: changes with any field (storage namespaces use it)."""
+        fields = {k: str(v) for k, v in asdict(self).items()}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return f"tiny-decoder-{digest}"
+
+
+def fold_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` as a pairwise fold over a zero-padded power-of-two length (order fixed)."""
+    length = x.shape[dim]
+    padded = 1 << max(length - 1, 0).bit_length()
+    if padded != length:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = padded - length
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight`` for x ``(M, K)``, weight ``(K, N)``, row-independent (see the module docstring)."""
+    rows = max(1, ATTENTION_CHUNK_ELEMENTS // (weight.shape[0] * weight.shape[1]))
+    parts = [fold_sum(chunk.unsqueeze(2) * weight.unsqueeze(0), 1) for chunk in x.split(rows)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def soft_exp(x: torch.Tensor) -> torch.Tensor:
+    """``(1 + x/256)**256`` for ``x <= 0``: a positive, increasing stand-in for exp with exact-rule arithmetic."""
+    y = 1.0 + x.clamp(min=-256.0) / 256.0
+    for _ in range(8):
+        y = y * y
+    return y
+
+
+def rms_norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    mean_square = fold_sum(x * x, -1) / x.shape[-1]
+    return x / torch.sqrt(mean_square + 1e-5).unsqueeze(-1) * gain
+
+
+class TinyDecoder:
+    """Seeded random weights; ``forward`` computes new tokens' logits and writes their KV into the pool."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+        gen = torch.Generator().manual_seed(c.seed)
+
+        def weight(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-2] ** 0.5).to(c.dtype).to(self.device)
+
+        qd = c.q_heads * c.head_dim
+        self.embed = (torch.randn(c.vocab_size, c.hidden, generator=gen, dtype=torch.float64)).to(c.dtype).to(self.device)
+        self.layers = []
+        for _ in range(c.layers):
+            layer = {
+                "norm1": torch.ones(c.hidden, dtype=c.dtype, device=self.device),
+                "norm2": torch.ones(c.hidden, dtype=c.dtype, device=self.device),
+                "wq": weight(c.hidden, qd),
+                "wo": weight(qd, c.hidden),
+                "w1": weight(c.hidden, c.ffn),
+                "w2": weight(c.ffn, c.hidden),
+            }
+            if c.mla:
+                layer |= {"wc": weight(c.hidden, c.latent_dim), "wuk": weight(c.latent_dim, qd), "wuv": weight(c.latent_dim, qd)}
+            else:
+                kd = c.kv_heads * c.head_dim
+                layer |= {"wk": weight(c.hidden, kd), "wv": weight(c.hidden, kd)}
+            self.layers.append(layer)
+        self.final_norm = torch.ones(c.hidden, dtype=c.dtype, device=self.device)
+        self.head = weight(c.hidden, c.vocab_size)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        angles = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.cos = angles.cos().to(c.dtype).to(self.device)
+        self.sin = angles.sin().to(c.dtype).to(self.device)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        kv: torch.Tensor,
+        new_slots: torch.Tensor,
+        context_slots: torch.Tensor,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(Q, vocab)`` of the ``Q`` new tokens, the last ``Q`` of ``context_slots``.
+
+        ``context_slots[p]`` holds position ``p``'s KV; the cached prefix must already be there,
+        except for layers still loading: ``wait_layer(i)`` is called before layer ``i`` reads it.
+        """
+        c = self.config
+        total, count = context_slots.numel(), token_ids.numel()
+        positions = torch.arange(total - count, total, device=self.device)
+        key_positions = torch.arange(total, device=self.device)
+        h = self.embed[token_ids.to(self.device)]
+        for index, layer in enumerate(self.layers):
+            if wait_layer is not None:
+                wait_layer(index)
+            x = rms_norm(h, layer["norm1"])
+            q = self._rope(linear(x, layer["wq"]).view(count, c.q_heads, c.head_dim), positions)
+            if c.mla:
+                latent = linear(x, layer["wc"]).view(count, 1, c.latent_dim)
+                kv[0, index].index_copy_(0, new_slots, latent)
+                context = kv[0, index, context_slots].view(total, c.latent_dim)
+                keys = self._rope(linear(context, layer["wuk"]).view(total, c.q_heads, c.head_dim), key_positions)
+                values = linear(context, layer["wuv"]).view(total, c.q_heads, c.head_dim)
+            else:
+                k_new = self._rope(linear(x, layer["wk"]).view(count, c.kv_heads, c.head_dim), positions)
+                v_new = linear(x, layer["wv"]).view(count, c.kv_heads, c.head_dim)
+                kv[0, index].index_copy_(0, new_slots, k_new)
+                kv[1, index].index_copy_(0, new_slots, v_new)
+                group = c.q_heads // c.kv_heads
+                keys = kv[0, index, context_slots].repeat_interleave(group, dim=1)
+                values = kv[1, index, context_slots].repeat_interleave(group, dim=1)
+            attended = self._attention(q, positions, keys, values, key_positions)
+            h = h + linear(attended.reshape(count, -1), layer["wo"])
+            x = rms_norm(h, layer["norm2"])
+            h = h + linear(torch.relu(linear(x, layer["w1"])), layer["w2"])
+        return linear(rms_norm(h, self.final_norm), self.head)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def _attention(
+        self, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor:
+        count, heads, dim = q.shape
+        total = keys.shape[0]
+        scale = dim**-0.5
+        chunk = max(1, ATTENTION_CHUNK_ELEMENTS // (total * heads * dim))
+        outputs = []
+        for start in range(0, count, chunk):
+            qc, pc = q[start : start + chunk], positions[start : start + chunk]
+            scores = fold_sum(qc.unsqueeze(1) * keys.unsqueeze(0), -1) * scale  # (c, T, H)
+            masked = (key_positions.unsqueeze(0) > pc.unsqueeze(1)).unsqueeze(-1)
+            scores = scores.masked_fill(masked, float("-inf"))
+            weights = soft_exp(scores - scores.amax(dim=1, keepdim=True))  # masked keys weigh exactly 0
+            numerator = fold_sum(weights.unsqueeze(-1) * values.unsqueeze(0), 1)  # (c, H, D)
+            outputs.append(numerator / fold_sum(weights, 1).unsqueeze(-1))
+        return torch.cat(outputs)
+
+
+@dataclass(frozen=True)
+class ModeledCompute:
+    """A forward pass replaced by its cost: the engine sleeps instead of computing (KV moves stay real).
+
+    Defaults are rough figures for a 8B-class model on one H100-class GPU: ~12k prefill tokens/s,
+    ~12 ms per decode step. Pass measured figures for a named setup.
+    """
+
+    prefill_tokens_per_s: float = 12_000.0
+    decode_step_s: float = 0.012
+
+    def prefill_seconds(self, new_tokens: int) -> float:
+        return new_tokens / self.prefill_tokens_per_s
+
+    def decode_seconds(self) -> float:
+        return self.decode_step_s

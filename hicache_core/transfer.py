@@ -1,0 +1,165 @@
+"""Device <-> host movement: layer-wise loads with per-layer completion, and device -> host backups.
+
+Both go through :mod:`hicache_storage.kernels`. On CUDA a load runs on its own stream and records
+one event per layer; on the CPU a loader thread copies layer after layer and sets one
+``threading.Event`` per layer. Either way the model calls :meth:`LayerLoad.wait` before computing
+layer ``i`` and waits for layer ``i`` only, so loading overlaps computing the layers before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from hicache_storage import kernels
+
+from hicache_core.pools import DevicePool, HostPool
+
+log = logging.getLogger(__name__)
+
+
+class LayerLoad:
+    """A host -> device load in progress; ``wait(i)`` returns once layer ``i`` has landed."""
+
+    def __init__(self, layers: int, tokens: int, cuda: bool) -> None:
+        self.layers = layers
+        self.tokens = tokens
+        self.cuda = cuda
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._events: list[threading.Event] = [threading.Event() for _ in range(layers)]
+        self._cuda_events: list[torch.cuda.Event] = []
+
+    def wait(self, layer: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self._cuda_events[layer])
+            return
+        self._events[layer].wait()
+        if self.error is not None:
+            raise RuntimeError(f"loading layer {layer} from the host pool failed") from self.error
+
+    def wait_all(self) -> None:
+        for layer in range(self.layers):
+            self.wait(layer)
+
+    @classmethod
+    def done(cls, layers: int) -> LayerLoad:
+        """A load of nothing: every layer is ready."""
+        load = cls(layers, 0, cuda=False)
+        for event in load._events:
+            event.set()
+        return load
+
+
+class Transfers:
+    """Runs the kernels between one device pool and one host pool."""
+
+    def __init__(self, device: DevicePool, host: HostPool, kernel_backend: str | None = None) -> None:
+        self.device = device
+        self.host = host
+        self.kernel_backend = kernel_backend
+        self.cuda = device.kv.is_cuda
+        self._load_stream = torch.cuda.Stream(device.device) if self.cuda else None
+        self._write_stream = torch.cuda.Stream(device.device) if self.cuda else None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._loader: threading.Thread | None = None
+
+    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy every layer of the slots device -> host. On CUDA returns the event marking completion
+        (the copy runs on a side stream); on the CPU the copy is done on return and this returns None."""
+        if not self.cuda:
+            self._backup(device_indices, host_indices)
+            return None
+        assert self._write_stream is not None
+        self._write_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._write_stream):
+            self._backup(device_indices, host_indices)
+            event = torch.cuda.Event()
+            event.record()
+        return event
+
+    def _backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        kernels.backup(
+            self.device.kv,
+            self.host.kv,
+            device_indices=device_indices,
+            host_indices=host_indices,
+            layout=self.host.layout,
+            page_size=self.host.page_size,
+            backend=self.kernel_backend,
+        )
+
+    def load(self, device_indices: torch.Tensor, host_indices: torch.Tensor, on_done: Callable[[LayerLoad], None]) -> LayerLoad:
+        """Start loading the slots host -> device, layer by layer; ``on_done`` gets the finished load."""
+        layers = self.device.geometry.layers
+        load = LayerLoad(layers, int(device_indices.numel()), self.cuda)
+        if self.cuda:
+            self._load_cuda(load, device_indices, host_indices)
+            on_done(load)
+            return load
+
+        def job() -> None:
+            started = time.perf_counter()
+            try:
+                for layer in range(layers):
+                    self._load_layer(layer, device_indices, host_indices)
+                    load._events[layer].set()
+            except BaseException as exc:  # the waiting forward must not hang: release every layer
+                log.exception("layer-wise load failed")
+                load.error = exc
+            finally:
+                load.seconds = time.perf_counter() - started
+                for event in load._events:
+                    event.set()
+                on_done(load)
+
+        self._ensure_loader()
+        self._jobs.put(job)
+        return load
+
+    def _load_cuda(self, load: LayerLoad, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        assert self._load_stream is not None
+        started = time.perf_counter()
+        # Slots may have just been freed by requests whose kernels are still queued on the compute stream.
+        self._load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._load_stream):
+            for layer in range(load.layers):
+                self._load_layer(layer, device_indices, host_indices)
+                event = torch.cuda.Event()
+                event.record()
+                load._cuda_events.append(event)
+        load.seconds = time.perf_counter() - started
+
+    def _load_layer(self, layer: int, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        kernels.load_layer(
+            self.device.kv,
+            self.host.kv,
+            layer=layer,
+            device_indices=device_indices,
+            host_indices=host_indices,
+            layout=self.host.layout,
+            page_size=self.host.page_size,
+            backend=self.kernel_backend,
+        )
+
+    def _ensure_loader(self) -> None:
+        if self._loader is None or not self._loader.is_alive():
+            self._loader = threading.Thread(target=self._run_loader, name="hicache-load", daemon=True)
+            self._loader.start()
+
+    def _run_loader(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        if self._loader is not None and self._loader.is_alive():
+            self._jobs.put(None)
+            self._loader.join()
