@@ -19,6 +19,7 @@ pages are stored as ``(layers, page_size)`` tiles.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,6 @@ def transfer_geometry(
     host shape must be exactly ``host_shape(layout, ...)``. Raises ``InvalidArgumentError``
     naming the mismatch otherwise.
     """
-    layout = as_layout(layout)
-    if device_kv.dim() != 5:
-        raise InvalidArgumentError(
-            f"device_kv must be 5-D (halves, layers, device_slots, heads, head_dim), got shape {tuple(device_kv.shape)}"
-        )
-    halves, layers, device_slots, heads, head_dim = device_kv.shape
     if host_kv.dtype != device_kv.dtype:
         raise InvalidArgumentError(
             f"host_kv dtype {host_kv.dtype} differs from device_kv dtype {device_kv.dtype}; "
@@ -163,12 +158,27 @@ def transfer_geometry(
     for name, tensor in (("device_kv", device_kv), ("host_kv", host_kv)):
         if not tensor.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (allocate the pool as one tensor)")
-    if not isinstance(page_size, int) or page_size <= 0:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
         raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
-    host_slots = _host_slots(host_kv, layout, page_size)
+    return _geometry(tuple(device_kv.shape), tuple(host_kv.shape), layout, page_size)
+
+
+# Called once per layer per transfer with the same few pools: the shape arithmetic and its
+# checks run once per distinct (shapes, layout, page size). Failures raise and are not cached.
+@functools.lru_cache(maxsize=64)
+def _geometry(
+    device_shape: tuple[int, ...], host_kv_shape: tuple[int, ...], layout: KVLayout | str, page_size: int
+) -> TransferGeometry:
+    layout = as_layout(layout)
+    if len(device_shape) != 5:
+        raise InvalidArgumentError(
+            f"device_kv must be 5-D (halves, layers, device_slots, heads, head_dim), got shape {device_shape}"
+        )
+    halves, layers, device_slots, heads, head_dim = device_shape
+    host_slots = _host_slots(host_kv_shape, layout, page_size)
     if host_slots % page_size:
         raise InvalidArgumentError(
-            f"host_kv shape {tuple(host_kv.shape)} does not match layout {layout.value} with page_size "
+            f"host_kv shape {host_kv_shape} does not match layout {layout.value} with page_size "
             f"{page_size}: its slot count ({host_slots}) is not a multiple of page_size"
         )
     expected = host_shape(
@@ -180,9 +190,9 @@ def transfer_geometry(
         head_dim=head_dim,
         page_size=page_size,
     )
-    if tuple(host_kv.shape) != expected:
+    if host_kv_shape != expected:
         raise InvalidArgumentError(
-            f"host_kv shape {tuple(host_kv.shape)} does not match device_kv shape {tuple(device_kv.shape)} "
+            f"host_kv shape {host_kv_shape} does not match device_kv shape {device_shape} "
             f"in layout {layout.value} with page_size {page_size}: expected {expected}"
         )
     return TransferGeometry(
@@ -196,14 +206,14 @@ def transfer_geometry(
     )
 
 
-def _host_slots(host_kv: torch.Tensor, layout: KVLayout, page_size: int) -> int:
+def _host_slots(host_kv_shape: tuple[int, ...], layout: KVLayout, page_size: int) -> int:
     wanted_dims = 6 if layout is KVLayout.PAGE_FIRST_DIRECT else 5
-    if host_kv.dim() != wanted_dims:
+    if len(host_kv_shape) != wanted_dims:
         raise InvalidArgumentError(
-            f"host_kv in layout {layout.value} must be {wanted_dims}-D, got shape {tuple(host_kv.shape)}"
+            f"host_kv in layout {layout.value} must be {wanted_dims}-D, got shape {host_kv_shape}"
         )
     if layout is KVLayout.LAYER_FIRST:
-        return int(host_kv.shape[2])
+        return host_kv_shape[2]
     if layout is KVLayout.PAGE_FIRST:
-        return int(host_kv.shape[1])
-    return int(host_kv.shape[1]) * page_size
+        return host_kv_shape[1]
+    return host_kv_shape[1] * page_size
