@@ -29,7 +29,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,11 +91,41 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8)
 
 
-def place(device_kv: torch.Tensor, host_kv: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device KV onto ``device``; host pool pinned when ``device`` is a GPU (as the core allocates it)."""
-    if device.type == "cuda":
+def place(
+    device_kv: torch.Tensor, host_kv: torch.Tensor, device: torch.device, host_memory: str, cleanup: ExitStack
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device KV onto ``device``; on a GPU the host pool page-locked the way ``host_memory`` says:
+    ``pinned`` (``pin_memory``, one ``cudaHostAlloc``) or ``registered`` (pageable memory
+    registered page by page with ``cudaHostRegister``, as the HiCache core pins large pools in
+    chunks: the kernel must address the pool across registrations)."""
+    if device.type != "cuda":
+        return device_kv.clone(), host_kv.clone()
+    if host_memory == "pinned":
         return device_kv.to(device), host_kv.pin_memory()
-    return device_kv.clone(), host_kv.clone()
+    return device_kv.to(device), cleanup.enter_context(registered_copy(host_kv))
+
+
+@contextmanager
+def registered_copy(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    page = 4096
+    nbytes = tensor.numel() * tensor.element_size()
+    raw = torch.empty(nbytes + page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    copy = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+    copy.copy_(tensor)
+    cudart = torch.cuda.cudart()
+    registered = []
+    try:
+        for offset in range(0, nbytes, page):
+            status = cudart.cudaHostRegister(copy.data_ptr() + offset, min(page, nbytes - offset), 0)
+            if int(status) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {status}")
+            registered.append(copy.data_ptr() + offset)
+        yield copy
+    finally:
+        torch.cuda.synchronize()
+        for pointer in registered:
+            cudart.cudaHostUnregister(pointer)
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,7 +145,10 @@ def correctness_checks(device: torch.device, backends: list[str]) -> list[Check]
             for halves, heads, head_dim in ((2, 8, 16), (1, 1, 72)):
                 for pattern in ("pages", "scattered"):
                     shape = Shape(layers=3, heads=heads, head_dim=head_dim, page_size=4, dtype=dtype, halves=halves)
-                    checks.extend(check_case(layout, shape, pattern, device, backends, generator))
+                    checks.extend(check_case(layout, shape, pattern, device, backends, generator, "pinned"))
+        if device.type == "cuda":
+            shape = Shape(layers=3, heads=8, head_dim=64, page_size=4, dtype=torch.bfloat16)
+            checks.extend(check_case(layout, shape, "scattered", device, backends, generator, "registered"))
     return checks
 
 
@@ -125,6 +159,7 @@ def check_case(
     device: torch.device,
     backends: list[str],
     generator: torch.Generator,
+    host_memory: str,
 ) -> list[Check]:
     device_pages, host_pages = 6, 5
     device_slots, host_slots = device_pages * shape.page_size, host_pages * shape.page_size
@@ -159,35 +194,58 @@ def check_case(
 
     checks = []
     for backend in backends:
-        dev, host = place(device_kv, host_kv, device)
-        for layer in range(shape.layers):
-            load_layer(
-                dev,
-                host,
-                layer=layer,
-                device_indices=device_idx,
-                host_indices=host_idx,
-                layout=layout,
-                page_size=shape.page_size,
-                backend=backend,
+        with ExitStack() as cleanup:
+            loaded, backed_up = run_check(
+                backend, device_kv, host_kv, device_idx, host_idx, layout, shape, device, host_memory, cleanup
             )
-        dev_for_backup, host_after = place(device_kv, host_kv, device)
-        backup(
-            dev_for_backup,
-            host_after,
+            load_ok = torch.equal(bits(loaded), bits(want_device))
+            backup_ok = torch.equal(bits(backed_up), bits(want_host))
+        name = (
+            f"{backend}/{layout.value}/{str(shape.dtype).removeprefix('torch.')}/halves={shape.halves}/"
+            f"{pattern}/{host_memory}"
+        )
+        detail = "" if load_ok and backup_ok else f"load_layer ok={load_ok}, backup ok={backup_ok}"
+        checks.append(Check(name=name, ok=load_ok and backup_ok, detail=detail))
+    return checks
+
+
+def run_check(
+    backend: str,
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    layout: KVLayout,
+    shape: Shape,
+    device: torch.device,
+    host_memory: str,
+    cleanup: ExitStack,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(device KV after loading every layer, host pool after a backup), both on the CPU."""
+    dev, host = place(device_kv, host_kv, device, host_memory, cleanup)
+    for layer in range(shape.layers):
+        load_layer(
+            dev,
+            host,
+            layer=layer,
             device_indices=device_idx,
             host_indices=host_idx,
             layout=layout,
             page_size=shape.page_size,
             backend=backend,
         )
-        synchronize(device)
-        load_ok = torch.equal(bits(dev.cpu()), bits(want_device))
-        backup_ok = torch.equal(bits(host_after), bits(want_host))
-        name = f"{backend}/{layout.value}/{str(shape.dtype).removeprefix('torch.')}/halves={shape.halves}/{pattern}"
-        detail = "" if load_ok and backup_ok else f"load_layer ok={load_ok}, backup ok={backup_ok}"
-        checks.append(Check(name=name, ok=load_ok and backup_ok, detail=detail))
-    return checks
+    dev_for_backup, host_after = place(device_kv, host_kv, device, host_memory, cleanup)
+    backup(
+        dev_for_backup,
+        host_after,
+        device_indices=device_idx,
+        host_indices=host_idx,
+        layout=layout,
+        page_size=shape.page_size,
+        backend=backend,
+    )
+    synchronize(device)
+    return dev.cpu(), host_after.clone()
 
 
 def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ the stream on every layer). Destination slots must be distinct.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import operator
@@ -40,6 +41,7 @@ from .layouts import KVLayout, TransferGeometry, transfer_geometry
 
 BACKEND_ENV = "HICACHE_KERNEL_BACKEND"
 BACKENDS = ("torch", "triton")
+_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # CUdevice_attribute value in cuda.h
 
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()  # fallback reasons already logged: one warning each, not one per layer
@@ -230,7 +232,33 @@ def _triton_unavailable_reason(device_kv: torch.Tensor, host_kv: torch.Tensor) -
             "host_kv is pageable CPU memory, which the GPU cannot address; allocate the host pool "
             "with pin_memory=True (or register it with cudaHostRegister)"
         )
+    if _uses_host_pointers(device_kv.get_device()) is False:
+        return (
+            f"{device_kv.device} cannot address registered host memory at its host address "
+            "(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0), which the kernel relies on"
+        )
     return None
+
+
+@functools.cache
+def _uses_host_pointers(device_index: int) -> bool | None:
+    """Whether the GPU reaches page-locked host memory at the host's own addresses (None: unknown).
+
+    The kernel gets one base address for the whole pool (Triton's launcher translates it), so a
+    pool registered in several ``cudaHostRegister`` chunks is only addressable as one range when
+    device and host addresses coincide. They do on every Linux x86-64 system with a current
+    driver; the query guards the rest.
+    """
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if libcuda.cuDeviceGet(ctypes.byref(device), device_index) != 0:
+        return None
+    if libcuda.cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device) != 0:
+        return None
+    return bool(value.value)
 
 
 @functools.cache
