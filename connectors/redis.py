@@ -10,9 +10,11 @@ Contract, beyond the one every connector keeps (see :mod:`hicache_storage.backen
   result per key. A multi-key ``EXISTS`` would count keys, not say which exist.
 * **Cluster.** Keys carry no hash tag: the pages of one namespace and shard spread over every
   node, so capacity and bandwidth grow with the cluster and no node is a hot spot. A batch then
-  spans many slots; redis-py's cluster pipeline groups its commands by the node owning each slot,
-  writes every node's pipeline before reading any, follows ``MOVED``/``ASK`` redirections, and
-  returns results in request order. ``clear`` scans every primary.
+  spans many slots; it is grouped by the primary owning each key's slot, one pipeline per node,
+  all sent at once, and the replies are put back in request order. Keys whose slot is migrating
+  (``MOVED``/``ASK``/``TRYAGAIN``) are re-sent through redis-py's cluster client, which follows the
+  redirection and updates its slot map; after a connection failure the slot map is re-read before
+  the next call (a failover moves slots). ``clear`` scans every primary.
 * **Copies.** Not zero-copy: redis-py reads a value into a new ``bytes`` that is then copied into
   the caller's segments, and a page of several segments is joined before it is sent.
 * **Failures.** An unreachable server at construction raises ``BackendUnavailableError`` naming
@@ -28,6 +30,7 @@ Contract, beyond the one every connector keeps (see :mod:`hicache_storage.backen
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -287,6 +290,12 @@ class RedisBackend(StorageBackend):
             exceptions.NoPermissionError,
         )
         self._client: Any = None
+        self._topology_stale = False
+        self._node_workers: concurrent.futures.ThreadPoolExecutor | None = None
+        if config.is_cluster:
+            self._node_workers = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(32, config.max_connections), thread_name_prefix="hicache-redis-node"
+            )
         try:
             self._client = self._connect()
             evicts, server_max_value = self._server_limits()
@@ -305,12 +314,12 @@ class RedisBackend(StorageBackend):
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         names = [self._name(key) for key in keys]
-        replies = self._pipelined("exists", lambda pipe: [pipe.exists(name) for name in names])
+        replies = self._pipelined("exists", names, lambda pipe, i: pipe.exists(names[i]))
         return [reply == 1 for reply in replies]
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
         names = [self._name(key) for key in keys]
-        values = self._pipelined("get", lambda pipe: [pipe.get(name) for name in names])
+        values = self._pipelined("get", names, lambda pipe, i: pipe.get(names[i]))
         results = []
         for value, target in zip(values, targets):
             hit = isinstance(value, bytes) and len(value) == segments_size(target)
@@ -323,12 +332,12 @@ class RedisBackend(StorageBackend):
         names = [self._name(key) for key in keys]
         values = [join_segments(source) for source in sources]
         ttl = self.config.ttl_seconds
-        replies = self._pipelined("put", lambda pipe: [pipe.set(n, v, ex=ttl) for n, v in zip(names, values)])
+        replies = self._pipelined("put", names, lambda pipe, i: pipe.set(names[i], values[i], ex=ttl))
         return [reply is True for reply in replies]
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
         names = [self._name(key) for key in keys]
-        replies = self._pipelined("delete", lambda pipe: [pipe.unlink(name) for name in names])
+        replies = self._pipelined("delete", names, lambda pipe, i: pipe.unlink(names[i]))
         return [reply == 1 for reply in replies]
 
     def _clear(self, namespace: Namespace) -> None:
@@ -348,9 +357,12 @@ class RedisBackend(StorageBackend):
                 if batch:
                     self._unlink_on(node, batch)
         except Exception as exc:
+            self._note_failure(exc)
             raise self._translate(exc, "clear") from exc
 
     def _close(self) -> None:
+        if self._node_workers is not None:
+            self._node_workers.shutdown(wait=True)
         client, self._client = self._client, None
         if client is None:
             return
@@ -441,20 +453,73 @@ class RedisBackend(StorageBackend):
 
     def _unlink_on(self, node: Any, names: list[bytes]) -> None:
         # One UNLINK per key: a multi-key UNLINK on a cluster node fails across slots.
-        pipe = node.pipeline(transaction=False)
-        for name in names:
-            pipe.unlink(name)
-        self._check_replies("clear", pipe.execute(raise_on_error=False))
+        self._check_replies("clear", _execute(node, range(len(names)), lambda pipe, i: pipe.unlink(names[i])))
 
-    def _pipelined(self, operation: str, stack: Callable[[Any], object]) -> list[Any]:
-        """Run the commands ``stack`` queues on one pipeline; replies in order, per-key errors in place."""
+    def _pipelined(self, operation: str, names: list[str], queue: Callable[[Any, int], object]) -> list[Any]:
+        """Run ``queue(pipe, i)``'s command for every key ``names[i]``; replies in order, per-key errors in place."""
         try:
-            pipe = self._client.pipeline(transaction=False)
-            stack(pipe)
-            replies = pipe.execute(raise_on_error=False)
+            if self.config.is_cluster:
+                replies = self._cluster_pipelined(names, queue)
+            else:
+                replies = _execute(self._client, range(len(names)), queue)
         except Exception as exc:
+            self._note_failure(exc)
             raise self._translate(exc, operation) from exc
         return self._check_replies(operation, replies)
+
+    def _cluster_pipelined(self, names: list[str], queue: Callable[[Any, int], object]) -> list[Any]:
+        """One pipeline per primary that owns some of the keys, all sent at once; replies in request order.
+
+        redis-py's own cluster pipeline would resend each command of a node that timed out on its
+        own, one socket timeout per key; here a dead or frozen node costs at most ``retries + 1``
+        timeouts per call.
+        """
+        cluster = self._client
+        if self._topology_stale:  # a failover may have moved slots since the last failure
+            cluster.nodes_manager.initialize()
+            self._topology_stale = False
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for index, name in enumerate(names):
+            node = cluster.get_node_from_key(name)
+            groups.setdefault(node.name, (node, []))[1].append(index)
+        jobs = list(groups.values())
+        if len(jobs) == 1:
+            outcomes = [self._run_on_node(*jobs[0], queue)]
+        else:
+            futures = [self._node_workers.submit(self._run_on_node, node, indices, queue) for node, indices in jobs]
+            concurrent.futures.wait(futures)
+            outcomes = [future.result() for future in futures]  # raises the first node's error
+        replies: list[Any] = [None] * len(names)
+        for (_, indices), node_replies in zip(jobs, outcomes):
+            for index, reply in zip(indices, node_replies):
+                replies[index] = reply
+        exceptions = self._redis.exceptions
+        moved = [i for i, reply in enumerate(replies) if isinstance(reply, (exceptions.AskError, exceptions.TryAgainError))]
+        if moved:
+            # Slots are migrating: the cluster client follows MOVED/ASK and updates its slot map.
+            pipe = cluster.pipeline()
+            for index in moved:
+                queue(pipe, index)
+            for index, reply in zip(moved, pipe.execute(raise_on_error=False)):
+                replies[index] = reply
+        return replies
+
+    def _run_on_node(self, node: Any, indices: list[int], queue: Callable[[Any, int], object]) -> list[Any]:
+        # Node clients do not retry (the cluster client owns retries), so retry here, on a new
+        # connection: a connection to a node that restarted fails once before the pool reconnects.
+        client = self._client.get_redis_connection(node)
+        exceptions = self._redis.exceptions
+        for attempt in range(self.config.retries + 1):
+            try:
+                return _execute(client, indices, queue)
+            except (exceptions.ConnectionError, exceptions.TimeoutError):
+                if attempt == self.config.retries:
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if self.config.is_cluster and isinstance(exc, (self._redis.exceptions.ConnectionError, self._redis.exceptions.TimeoutError)):
+            self._topology_stale = True
 
     def _check_replies(self, operation: str, replies: list[Any]) -> list[Any]:
         """Raise for an error that concerns the whole server; leave per-key errors as misses."""
@@ -526,6 +591,14 @@ _AUTH_FAILURE_MARKERS = (
     "Authentication required",
     "must be called with the client already authenticated",
 )
+
+
+def _execute(client: Any, indices: range | list[int], queue: Callable[[Any, int], object]) -> list[Any]:
+    """One pipeline on ``client`` (no MULTI/EXEC) with ``queue(pipe, i)``'s command for each index."""
+    pipe = client.pipeline(transaction=False)
+    for index in indices:
+        queue(pipe, index)
+    return pipe.execute(raise_on_error=False)
 
 
 def _is_auth_failure(message: str) -> bool:

@@ -536,6 +536,30 @@ class TestCluster:
             cluster.stop()
 
     @pytest.mark.slow
+    def test_frozen_node_costs_one_timeout_per_attempt_not_per_key(
+        self, rng: random.Random, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        cluster = RedisCluster(nodes=3)
+        cluster.start()
+        try:
+            keys = random_keys(new_scope(), 90, rng)
+            values = [rng.randbytes(100) for _ in keys]
+            config = {"url": cluster.url, "cluster": True, "socket_timeout": 0.5, "retries": 1}
+            with RedisBackend(config) as backend:
+                assert backend.put(keys, values) == [True] * 90
+                timeouts = _count_timeouts(monkeypatch)
+                cluster.freeze(1)
+                try:
+                    with pytest.raises(StorageTimeoutError):
+                        backend.get(keys, 100)  # about 30 of the keys live on the frozen node
+                    assert timeouts[0] == 2  # the first try and one retry, whatever the key count
+                finally:
+                    cluster.thaw(1)
+                assert backend.get(keys, 100) == values  # replies never cross between requests
+        finally:
+            cluster.stop()
+
+    @pytest.mark.slow
     def test_killed_node_gives_typed_errors_then_recovers(self, rng: random.Random) -> None:
         cluster = RedisCluster(nodes=3)
         cluster.start()
@@ -552,6 +576,21 @@ class TestCluster:
                 assert backend.get(keys, 100) == values
         finally:
             cluster.stop()
+
+
+def _count_timeouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the socket timeouts redis-py raises (an observation: behaviour is unchanged)."""
+    counter = [0]
+
+    class CountedTimeout(redis.exceptions.TimeoutError):
+        def __init__(self, *args: object) -> None:
+            counter[0] += 1
+            super().__init__(*args)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("redis.") and name != "redis.exceptions" and getattr(module, "TimeoutError", None) is redis.exceptions.TimeoutError:
+            monkeypatch.setattr(module, "TimeoutError", CountedTimeout)
+    return counter
 
 
 def _scan_count(cluster: RedisCluster, port: int, pattern: str) -> int:

@@ -248,8 +248,11 @@ class RedisCluster:
     def freeze(self, index: int = 0) -> None:
         self.nodes[index].freeze()
 
-    def thaw(self, index: int = 0) -> None:
+    def thaw(self, index: int = 0, timeout: float = 30.0) -> None:
+        """SIGCONT one node and wait until every node sees the cluster healthy again."""
         self.nodes[index].thaw()
+        for node in self.nodes:
+            node.wait_ready(self._healthy_from(node), timeout)
 
     def _assign_slots(self) -> None:
         count = len(self.nodes)
