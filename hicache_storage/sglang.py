@@ -114,6 +114,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        """Called by SGLang's dynamic loader as ``cls(storage_config, kwargs)``; ``kwargs`` is unused."""
         self.storage_config = storage_config
         self.config = AdapterConfig.from_extra_config(storage_config.extra_config)
         if storage_config.dcp_size > 1:
