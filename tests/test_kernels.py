@@ -237,6 +237,7 @@ def test_select_backend_rejects_unknown_names(monkeypatch, via_env: bool) -> Non
     os.environ.get("TRITON_INTERPRET") == "1", reason="under TRITON_INTERPRET=1 Triton does run on CPU tensors"
 )
 def test_triton_requested_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:
+    pytest.importorskip("triton", reason="without triton the error names the missing package instead")
     device_kv, host_kv = small_pair()
     monkeypatch.setenv(BACKEND_ENV, "triton")
     with pytest.raises(ValueError, match="need a CUDA device_kv"):
@@ -338,3 +339,16 @@ def test_gpu_benchmark_script_dry_run(tmp_path: Path) -> None:
     methods = {row["method"] for row in report["results"]}
     assert {"copy_per_page", "torch_gather_scatter"} <= methods
     assert (out / "kernels_gpu.md").read_text().startswith("# ")
+
+
+def test_triton_requested_without_triton_names_the_package(monkeypatch) -> None:
+    from hicache_storage.kernels import dispatch
+
+    def missing() -> None:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(dispatch, "_triton", missing)
+    device_kv, host_kv = small_pair()
+    with pytest.raises(ValueError, match=r"triton does not import .*pip install 'hicache-storage\[kernels\]'"):
+        select_backend(device_kv, host_kv, "triton")
+    assert select_backend(device_kv, host_kv) == "torch"
