@@ -10,7 +10,7 @@ device -> host) for every :class:`~.layouts.KVLayout`:
 The choice is visible (every call returns the name of the backend it used) and overridable: the
 ``backend=`` argument first, then the ``HICACHE_KERNEL_BACKEND`` environment variable
 (``torch``, ``triton`` or ``auto``). Asking for Triton where it cannot run is an error, never a
-silent fallback.
+silent fallback; ``auto`` on CUDA falls back to torch only with a logged warning (once per reason).
 
 Calls keep no state of their own and may come from several threads (Triton compiles each kernel
 variant on first use). On CUDA they are asynchronous on the caller's current stream
