@@ -127,7 +127,8 @@ def parse_redis_url(url: str) -> RedisEndpoint:
     db_text = db_texts[0] if db_texts else "0"
     if not db_text.isdigit():
         raise ValueError(f"the database must be a non-negative integer, got {db_text!r}")
-    return RedisEndpoint(scheme, host, port if scheme != "unix" else None, path, int(db_text), unquote(parts.username or "") or None)
+    username = unquote(parts.username or "") or None
+    return RedisEndpoint(scheme, host, port if scheme != "unix" else None, path, int(db_text), username)
 
 
 def _split_password(url: str) -> tuple[str, list[str]]:
@@ -163,13 +164,17 @@ class RedisConfig(BackendConfig):
         default_factory=list, description="extra cluster nodes as 'host:port' to discover the cluster from; implies cluster"
     )
     prefix: str = pydantic.Field("hicache", description="first component of every key, [A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-    ttl_seconds: pydantic.PositiveInt | None = pydantic.Field(None, description="expire pages this many seconds after their write; omit to keep them")
+    ttl_seconds: pydantic.PositiveInt | None = pydantic.Field(
+        None, description="expire pages this many seconds after their write; omit to keep them"
+    )
     max_value_size: pydantic.PositiveInt = pydantic.Field(
         REDIS_MAX_BULK_LEN, description="largest page in bytes (Redis' proto-max-bulk-len, 512 MiB by default)"
     )
     max_batch: pydantic.PositiveInt = pydantic.Field(256, description="most pages in one pipeline; larger batches are split")
     socket_timeout: pydantic.PositiveFloat = pydantic.Field(5.0, description="seconds to wait for a reply before a call fails")
-    connect_timeout: pydantic.PositiveFloat = pydantic.Field(2.0, description="seconds to wait for a connection (and for a free one in the pool)")
+    connect_timeout: pydantic.PositiveFloat = pydantic.Field(
+        2.0, description="seconds to wait for a connection (and for a free one in the pool)"
+    )
     retries: pydantic.NonNegativeInt = pydantic.Field(
         1, description="retries of a call on a fresh connection after a connection error or timeout"
     )
@@ -518,7 +523,8 @@ class RedisBackend(StorageBackend):
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _note_failure(self, exc: BaseException) -> None:
-        if self.config.is_cluster and isinstance(exc, (self._redis.exceptions.ConnectionError, self._redis.exceptions.TimeoutError)):
+        exceptions = self._redis.exceptions
+        if self.config.is_cluster and isinstance(exc, (exceptions.ConnectionError, exceptions.TimeoutError)):
             self._topology_stale = True
 
     def _check_replies(self, operation: str, replies: list[Any]) -> list[Any]:
@@ -570,10 +576,18 @@ class RedisBackend(StorageBackend):
                 backend=self.name,
                 operation=operation,
             )
-        unavailable = (exceptions.ConnectionError, exceptions.ClusterError, exceptions.TryAgainError, exceptions.RedisClusterException, OSError)
+        unavailable = (
+            exceptions.ConnectionError,
+            exceptions.ClusterError,
+            exceptions.TryAgainError,
+            exceptions.RedisClusterException,
+            OSError,
+        )
         if isinstance(exc, unavailable):
             hint = "; check that the server is running and that the url is right" if operation == "connect" else ""
-            return BackendUnavailableError(f"cannot use {where}: {detail.rstrip('.')}{hint}", backend=self.name, operation=operation)
+            return BackendUnavailableError(
+                f"cannot use {where}: {detail.rstrip('.')}{hint}", backend=self.name, operation=operation
+            )
         return StorageError(f"{where} failed: {type(exc).__name__}: {detail}", backend=self.name, operation=operation)
 
     def _redact(self, text: str) -> str:

@@ -221,7 +221,8 @@ class TestStandalone:
         assert store.get(keys, 4096) == values
         for key, value in zip(keys, values):
             assert raw.get(f"hicache:{key.render(':')}") == value
-            assert f"hicache:{scope.namespace.fingerprint}:tp1of2-pp0of1-cp0of1:kv:{key.page_hash}" == f"hicache:{key.render(':')}"
+            expected = f"hicache:{scope.namespace.fingerprint}:tp1of2-pp0of1-cp0of1:kv:{key.page_hash}"
+            assert expected == f"hicache:{key.render(':')}"
 
     def test_segments_in_and_out(self, store: RedisBackend, rng: random.Random) -> None:
         import numpy as np
@@ -270,7 +271,9 @@ class TestStandalone:
         assert store.exists(keys) == [False, False, False]
         assert raw.exists(*[f"hicache:{k.render(':')}" for k in keys]) == 0
 
-    def test_clear_removes_one_namespace_in_batches(self, redis_server: RedisServer, store: RedisBackend, raw: object, rng: random.Random) -> None:
+    def test_clear_removes_one_namespace_in_batches(
+        self, redis_server: RedisServer, store: RedisBackend, raw: object, rng: random.Random
+    ) -> None:
         doomed, kept = new_scope("doomed"), new_scope("kept")
         other_part = doomed.with_part("swa")
         doomed_keys = random_keys(doomed, 1200, rng) + random_keys(other_part, 30, rng)  # more than one UNLINK batch
@@ -536,6 +539,31 @@ class TestCluster:
             cluster.stop()
 
     @pytest.mark.slow
+    def test_a_moved_slot_is_followed(self, rng: random.Random) -> None:
+        """Move a key's slot to another node behind the client's back: MOVED is followed."""
+        from redis.cluster import key_slot
+
+        cluster = RedisCluster(nodes=3)
+        cluster.start()
+        try:
+            with RedisBackend({"url": cluster.url, "cluster": True}) as backend:
+                [key] = random_keys(new_scope(), 1, rng)
+                name = f"hicache:{key.render(':')}"
+                slot = key_slot(name.encode())
+                owner = next(i for i, node in enumerate(cluster.nodes) if _owns(node, slot))
+                assert cluster.nodes[owner].command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+                target = cluster.nodes[(owner + 1) % 3]
+                target_id = target.command("CLUSTER", "MYID")
+                for node in [target, *(n for n in cluster.nodes if n is not target)]:
+                    node.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+                assert backend.put([key], [b"moved"]) == [True]  # the client still routes to the old owner
+                assert target.command("GET", name) == "moved"
+                assert backend.get([key], 5) == [b"moved"]
+                assert backend.exists([key]) == [True]
+        finally:
+            cluster.stop()
+
+    @pytest.mark.slow
     def test_frozen_node_costs_one_timeout_per_attempt_not_per_key(
         self, rng: random.Random, monkeypatch: pytest.MonkeyPatch
     ) -> None:
@@ -578,6 +606,14 @@ class TestCluster:
             cluster.stop()
 
 
+def _owns(node: RedisServer, slot: int) -> bool:
+    """Whether ``node`` serves ``slot``, from its own CLUSTER SLOTS view."""
+    for low, high, primary, *_ in node.command("CLUSTER", "SLOTS"):
+        if low <= slot <= high and int(primary[1]) == node.port:
+            return True
+    return False
+
+
 def _count_timeouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the socket timeouts redis-py raises (an observation: behaviour is unchanged)."""
     counter = [0]
@@ -588,7 +624,8 @@ def _count_timeouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             super().__init__(*args)
 
     for name, module in list(sys.modules.items()):
-        if name.startswith("redis.") and name != "redis.exceptions" and getattr(module, "TimeoutError", None) is redis.exceptions.TimeoutError:
+        uses_it = getattr(module, "TimeoutError", None) is redis.exceptions.TimeoutError
+        if name.startswith("redis.") and name != "redis.exceptions" and uses_it:
             monkeypatch.setattr(module, "TimeoutError", CountedTimeout)
     return counter
 
