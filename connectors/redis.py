@@ -19,13 +19,15 @@ Contract, beyond the one every connector keeps (see :mod:`hicache_storage.backen
   the caller's segments, and a page of several segments is joined before it is sent.
 * **Failures.** An unreachable server at construction raises ``BackendUnavailableError`` naming
   the address; rejected credentials raise ``AuthenticationError``. A server that dies mid-run makes
-  calls raise ``BackendUnavailableError`` / ``StorageTimeoutError`` (both retryable); the pool
+  calls raise ``BackendUnavailableError`` / ``StorageTimeoutError`` (both retryable) after at most
+  ``retries + 1`` attempts of ``socket_timeout`` each, however many keys the batch has; the pool
   reconnects on its own once the server is back. A connection that timed out is closed, never
   reused, so a late reply can never be read as the answer to a later request.
 * **Secrets.** A password given in the URL is moved into the ``password`` field (a ``SecretStr``)
   when the config is parsed, so ``repr``, logs and error messages never show it.
 * **Thread safety.** Every method may be called from several threads: each call takes its own
-  pipeline and connections from a thread-safe pool.
+  pipelines and connections from thread-safe pools. In cluster mode a call sends its per-node
+  pipelines from a small thread pool the backend owns (closed by ``close``).
 """
 
 from __future__ import annotations
