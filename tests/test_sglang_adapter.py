@@ -14,27 +14,37 @@ from the installed SGLang source file, unchanged, and run over a plain CPU alloc
 
 from __future__ import annotations
 
+import __future__
 import ast
 import importlib.util
+import logging
 import subprocess
 import sys
+import threading
+import time
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from queue import Queue
+from typing import Any, List, Optional
 
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
     HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
+    count_pool_hits,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache_storage.errors import ConfigError, InvalidArgumentError
+from hicache_storage.keys import page_hashes
 from hicache_storage.sglang import HiCacheStorageAdapter, page_hash_of
 
 SGLANG_ROOT = Path(list(importlib.util.find_spec("sglang").submodule_search_locations)[0])
@@ -43,18 +53,22 @@ SGLANG_ROOT = Path(list(importlib.util.find_spec("sglang").submodule_search_loca
 # --- SGLang's host pool code over a CPU allocation ------------------------------------------------
 
 
-def sglang_methods(relative_path: str, class_name: str, names: tuple[str, ...]) -> dict[str, Any]:
-    """Compile the named methods of one SGLang class from the installed source, unchanged."""
+def sglang_code(relative_path: str, names: tuple[str, ...], within: str | None = None, **globals_: Any) -> dict[str, Any]:
+    """Compile the named definitions (top-level ones, or methods of class ``within``) from the
+    installed SGLang source file, unchanged; ``globals_`` supplies the names they use."""
     path = SGLANG_ROOT / relative_path
-    tree = ast.parse(path.read_text())
-    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
-    found = {node.name: node for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in names}
+    body = ast.parse(path.read_text()).body
+    if within is not None:
+        body = next(node for node in body if isinstance(node, ast.ClassDef) and node.name == within).body
+    found = {node.name: node for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names}
     missing = set(names) - set(found)
-    assert not missing, f"SGLang's {class_name} no longer has {sorted(missing)}; update the stand-in"
-    for node in found.values():
-        node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id == "property"]
-    namespace: dict[str, Any] = {"torch": torch, "ALLOC_MEMORY_FUNCS": defaultdict(lambda: _cpu_alloc)}
-    exec(compile(ast.Module(body=list(found.values()), type_ignores=[]), str(path), "exec"), namespace)
+    assert not missing, f"SGLang's {relative_path} no longer defines {sorted(missing)}; update the stand-in"
+    if within is not None:  # keep @property; drop method decorators such as @synchronized
+        for node in found.values():
+            node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id == "property"]
+    namespace: dict[str, Any] = {"torch": torch, **globals_}
+    code = compile(ast.Module(body=list(found.values()), type_ignores=[]), str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
     return {name: namespace[name] for name in names}
 
 
@@ -64,14 +78,22 @@ def _cpu_alloc(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool, a
 
 
 _PAGE_METHODS = ("init_kv_buffer", "get_page_buffer_meta", "get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page")
-_BASE = sglang_methods("srt/mem_cache/pool_host/base.py", "HostKVCache", ("logical_size", "logical_page_size"))
+_ALLOC = {"ALLOC_MEMORY_FUNCS": defaultdict(lambda: _cpu_alloc)}
+_BASE = sglang_code("srt/mem_cache/pool_host/base.py", ("logical_size", "logical_page_size"), within="HostKVCache")
 MHAHostPool = type(
-    "MHATokenToKVPoolHost", (), {**_BASE, **sglang_methods("srt/mem_cache/pool_host/mha.py", "MHATokenToKVPoolHost", _PAGE_METHODS)}
+    "MHATokenToKVPoolHost",
+    (),
+    {**_BASE, **sglang_code("srt/mem_cache/pool_host/mha.py", _PAGE_METHODS, within="MHATokenToKVPoolHost", **_ALLOC)},
 )
 MLAHostPool = type(
     "MLATokenToKVPoolHost",
     (),
-    {**_BASE, **sglang_methods("srt/mem_cache/pool_host/mla.py", "MLATokenToKVPoolHost", (*_PAGE_METHODS, "_storage_page_index"))},
+    {
+        **_BASE,
+        **sglang_code(
+            "srt/mem_cache/pool_host/mla.py", (*_PAGE_METHODS, "_storage_page_index"), within="MLATokenToKVPoolHost", **_ALLOC
+        ),
+    },
 )
 
 
@@ -375,6 +397,77 @@ def test_get_stats_has_sglang_shape_and_resets_on_read(open_adapter: Any, monkey
     assert (stats.backup_pgs, stats.prefetch_pgs) == ([3], [3])
     assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
     assert adapter.get_stats() == StorageMetrics()
+
+
+# --- SGLang's cache controller I/O code driving the adapter -------------------------------------
+#
+# HiCacheController cannot be imported here either (same import chain); its storage I/O methods
+# and operation classes are compiled from the installed source, unchanged, and run against the
+# adapter: the backup loop, the hit query (SGLang's own hashing, batched by STORAGE_BATCH_SIZE),
+# and the prefetch transfer loop.
+
+_CONTROLLER_GLOBALS = {
+    "STORAGE_BATCH_SIZE": STORAGE_BATCH_SIZE,
+    "HiCacheStorageExtraInfo": HiCacheStorageExtraInfo,
+    "PoolName": PoolName,
+    "PoolTransfer": PoolTransfer,
+    "count_pool_hits": count_pool_hits,
+    "get_storage_hash_str": get_storage_hash_str,
+    "logger": logging.getLogger("sglang.srt.managers.cache_controller"),
+    "dataclass": dataclass,
+    "threading": threading,
+    "time": time,
+    "List": List,
+    "Optional": Optional,
+}
+_OPERATIONS = sglang_code(
+    "srt/managers/cache_controller.py", ("PrefetchAck", "StorageOperation", "PrefetchOperation"), **_CONTROLLER_GLOBALS
+)
+_CONTROLLER_GLOBALS.update(_OPERATIONS)
+HiCacheController = type(
+    "HiCacheController",
+    (),
+    sglang_code(
+        "srt/managers/cache_controller.py",
+        ("_page_backup", "_page_set_zero_copy", "_page_get_zero_copy", "_storage_hit_query", "_page_transfer", "_page_transfer_kv_batch"),
+        within="HiCacheController",
+        **_CONTROLLER_GLOBALS,
+    ),
+)
+StorageOperation, PrefetchOperation = _OPERATIONS["StorageOperation"], _OPERATIONS["PrefetchOperation"]
+
+
+def controller(adapter: HiCacheStorageAdapter, pool: Any) -> Any:
+    """The controller state those methods read, wired as SGLang wires it with interface_v1."""
+    ctrl = HiCacheController()
+    ctrl.storage_backend, ctrl.page_size, ctrl.prefetch_sync_queue = adapter, pool.page_size, Queue()
+    ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    return ctrl
+
+
+def test_sglang_controller_backs_up_queries_and_prefetches_through_the_adapter(open_adapter: Any) -> None:
+    pages = STORAGE_BATCH_SIZE * 2 + 44  # three storage batches
+    writer_pool, reader_pool = make_host_pool(pages=2 * pages, seed=40), make_host_pool(pages=2 * pages, seed=41)
+    writer, reader = controller(open_adapter(writer_pool), writer_pool), controller(open_adapter(reader_pool), reader_pool)
+    tokens = [(i * 7919) % 150_000 for i in range(pages * writer_pool.page_size + 3)]
+    hashes = get_storage_hash_str(tokens, None, page_size=writer_pool.page_size)[:pages]
+    assert hashes == page_hashes(tokens, writer_pool.page_size)
+
+    stored = pages - 50  # the backup of the last 50 pages has not happened
+    backup = StorageOperation(host_indices(writer_pool, list(range(stored))), tokens, hash_value=hashes[:stored])
+    writer._page_backup(backup)
+    assert backup.completed_tokens == stored * writer_pool.page_size
+
+    prefetch = PrefetchOperation("request-1", tokens[: pages * reader_pool.page_size])
+    hit_hashes, hit_tokens = reader._storage_hit_query(prefetch)
+    assert (hit_hashes, hit_tokens) == (hashes[:stored], stored * reader_pool.page_size)
+    prefetch.hash_value = hit_hashes
+    prefetch.host_indices = host_indices(reader_pool, list(range(pages, pages + stored)))
+    assert reader._page_transfer(prefetch) == stored
+    acks = [reader.prefetch_sync_queue.get_nowait() for _ in range(reader.prefetch_sync_queue.qsize())]
+    assert acks[-1].completed_tokens == stored * reader_pool.page_size
+    for page in (0, STORAGE_BATCH_SIZE, stored - 1):
+        assert page_bytes(reader_pool, pages + page) == page_bytes(writer_pool, page)
 
 
 # --- failures degrade, bad config is loud -------------------------------------------------------
