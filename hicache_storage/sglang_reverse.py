@@ -123,7 +123,8 @@ class SGLangStorageBackend(StorageBackend):
 
         results = []
         for key, source in zip(keys, sources):
-            page = torch.frombuffer(bytearray(b"".join(source)), dtype=torch.uint8) if segments_size(source) else torch.empty(0, dtype=torch.uint8)
+            data = bytearray(b"".join(source))
+            page = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             results.append(bool(self._call("set", self.store.set, _name(key), page)))
         return results
 

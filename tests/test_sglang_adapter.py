@@ -67,7 +67,8 @@ def sglang_code(relative_path: str, names: tuple[str, ...], within: str | None =
         for node in found.values():
             node.decorator_list = [d for d in node.decorator_list if isinstance(d, ast.Name) and d.id == "property"]
     namespace: dict[str, Any] = {"torch": torch, **globals_}
-    code = compile(ast.Module(body=list(found.values()), type_ignores=[]), str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    module = ast.Module(body=list(found.values()), type_ignores=[])
+    code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
     exec(code, namespace)
     return {name: namespace[name] for name in names}
 
@@ -227,7 +228,8 @@ def test_segments_per_page_follow_the_pool(open_adapter: Any) -> None:
     """Page-first MHA pages are two segments (K, V); MLA one; layer-first one per layer and half."""
     from hicache_storage.sglang import _page_segments
 
-    for kind, layout, expected in [("mha", "page_first", 2), ("mla", "page_first", 1), ("mha", "layer_first", 6), ("mla", "layer_first", 3)]:
+    cases = [("mha", "page_first", 2), ("mla", "page_first", 1), ("mha", "layer_first", 6), ("mla", "layer_first", 3)]
+    for kind, layout, expected in cases:
         pool = make_host_pool(kind, layout)
         segments, total = _page_segments(pool, 2, host_indices(pool, [1, 2]))
         assert [len(s) for s in segments] == [expected, expected]
