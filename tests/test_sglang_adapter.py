@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import __future__
 import ast
+import importlib
 import importlib.util
+import json
 import logging
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -470,6 +474,55 @@ def test_sglang_controller_backs_up_queries_and_prefetches_through_the_adapter(o
     assert acks[-1].completed_tokens == stored * reader_pool.page_size
     for page in (0, STORAGE_BATCH_SIZE, stored - 1):
         assert page_bytes(reader_pool, pages + page) == page_bytes(writer_pool, page)
+
+
+# --- the launch examples in docs/sglang.md are valid --------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "sglang.md"
+
+
+def connector_config_class(name: str) -> type:
+    """A connector's Config class, without requiring its client library."""
+    from hicache_storage.registry import known_specs
+
+    module, _, attr = known_specs()[name].target.partition(":")
+    return getattr(importlib.import_module(module), attr).Config
+
+
+def check_extra_config(extra: dict[str, Any]) -> None:
+    from hicache_storage.sglang import AdapterConfig
+
+    config = AdapterConfig.from_extra_config(extra)
+    assert (extra["module_path"], extra["class_name"], extra["interface_v1"]) == ("hicache_storage.sglang", "HiCacheStorageAdapter", 1)
+    connector_config_class(config.connector).parse(config.connector_config)
+
+
+def test_documented_launch_flags_give_valid_adapter_configs() -> None:
+    text = DOCS.read_text()
+    common = re.search(r"^X='(.*)'$", text, re.M).group(1)
+    examples = re.findall(r"^\s+(\"\{\$X, .*\}\")\s*$", text, re.M)
+    connectors = []
+    for word in examples:  # what the shell hands SGLang for each documented command line
+        shell = subprocess.run(["bash", "-c", f"X='{common}'; printf '%s' {word}"], capture_output=True, text=True, check=True)
+        extra = json.loads(shell.stdout)
+        check_extra_config(extra)
+        connectors.append(extra["connector"])
+    assert sorted(connectors) == ["file", "fsspec", "memory", "mooncake", "redis", "s3"]
+
+
+def test_documented_config_file_parses_with_sglangs_own_parser(tmp_path: Path) -> None:
+    parse = sglang_code(
+        "srt/mem_cache/hybrid_cache/hybrid_cache_controller.py",
+        ("parse_storage_backend_extra_config",),
+        within="HybridCacheController",
+        json=json,
+        os=os,
+    )["parse_storage_backend_extra_config"]
+    path = tmp_path / "hicache.yaml"
+    path.write_text(re.search(r"```yaml\n(.*?)```", DOCS.read_text(), re.S).group(1))
+    extra, prefetch_threshold, *_ = parse(f"@{path}")
+    assert prefetch_threshold == 256 and "prefetch_threshold" not in extra
+    check_extra_config(extra)
 
 
 # --- failures degrade, bad config is loud -------------------------------------------------------
