@@ -333,11 +333,25 @@ def own_seaweedfs() -> Iterator[object]:
     """A private server this module may kill and freeze without disturbing the shared one."""
     from hicache_storage.testing.seaweedfs import SeaweedFS
 
-    server = SeaweedFS()
+    server = SeaweedFS(tls=True)
     server.start()
     yield server
     server.kill()  # throwaway data: no need to wait for a graceful exit
     server.stop()
+
+
+@pytest.mark.slow
+def test_tls_with_the_servers_ca_bundle(own_seaweedfs, scope):
+    https = own_seaweedfs.https_endpoint_url
+    store = create_backend("s3", s3_config(own_seaweedfs, endpoint_url=https, verify=str(own_seaweedfs.ca_bundle)))
+    try:
+        key = scope.key(page_hash(1))
+        assert store.put([key], [b"tls" * 100]) == [True]
+        assert store.get([key], 300) == [b"tls" * 100]
+    finally:
+        store.close()
+    with pytest.raises(BackendUnavailableError, match="verify"):
+        create_backend("s3", s3_config(own_seaweedfs, endpoint_url=https))  # system CAs do not know it
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ class SeaweedFS(ServerProcess):
         bucket: str = "hicache-test",
         access_key: str = "hicache-test-key",
         region: str = "us-east-1",
+        tls: bool = False,
     ) -> None:
         self._owns_workdir = workdir is None
         super().__init__("seaweedfs", workdir)
@@ -76,6 +77,7 @@ class SeaweedFS(ServerProcess):
         self.access_key = access_key
         self.secret_key = secrets.token_hex(20)
         self.region = region
+        self.tls = tls
         self.ports: dict[str, int] = {}
 
     @property
@@ -86,10 +88,22 @@ class SeaweedFS(ServerProcess):
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
 
+    @property
+    def https_endpoint_url(self) -> str:
+        """The same gateway over TLS (``tls=True`` only), with a certificate signed by :attr:`ca_bundle`."""
+        if not self.tls:
+            raise ServiceError("this SeaweedFS was started without tls=True")
+        return f"https://127.0.0.1:{self.ports['s3.port.https']}"
+
+    @property
+    def ca_bundle(self) -> Path:
+        """The self-signed certificate the HTTPS endpoint presents; pass it as a client's CA bundle."""
+        return self.workdir / "tls" / "cert.pem"
+
     def start(self, timeout: float = 60.0) -> None:
         """Start the server on fresh ports and create the default bucket."""
         chosen: list[int] = []
-        for name in _PORT_NAMES:
+        for name in _PORT_NAMES + (("s3.port.https",) if self.tls else ()):
             chosen.append(free_port(avoid=chosen))
             self.ports[name] = chosen[-1]
         self._launch(timeout)
@@ -177,8 +191,30 @@ class SeaweedFS(ServerProcess):
             "-s3.port.lance=0",
         ]
         argv += [f"-{name}={port}" for name, port in self.ports.items()]
+        if self.tls:
+            self._make_certificate()
+            argv += [f"-s3.cert.file={self.ca_bundle}", f"-s3.key.file={self.ca_bundle.with_name('key.pem')}"]
         self.spawn(argv)
         self.wait_ready(self._s3_answers, timeout=timeout)
+
+    def _make_certificate(self) -> None:
+        """A self-signed certificate for 127.0.0.1, made once per work directory."""
+        if self.ca_bundle.exists():
+            return
+        self.ca_bundle.parent.mkdir(exist_ok=True)
+        openssl = which_or_fail("openssl", "install openssl (apt-get install -y openssl) to test TLS")
+        result = subprocess.run(
+            [
+                openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                "-keyout", str(self.ca_bundle.with_name("key.pem")), "-out", str(self.ca_bundle),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise ServiceError(f"openssl could not make a test certificate: {result.stderr}")
 
     def _identities(self) -> dict[str, object]:
         return {
