@@ -435,7 +435,16 @@ HiCacheController = type(
     (),
     sglang_code(
         "srt/managers/cache_controller.py",
-        ("_page_backup", "_page_set_zero_copy", "_page_get_zero_copy", "_storage_hit_query", "_page_transfer", "_page_transfer_kv_batch"),
+        (
+            "_page_backup",
+            "_page_set_zero_copy",
+            "_page_get_zero_copy",
+            "_generic_page_set",
+            "_generic_page_get",
+            "_storage_hit_query",
+            "_page_transfer",
+            "_page_transfer_kv_batch",
+        ),
         within="HiCacheController",
         **_CONTROLLER_GLOBALS,
     ),
@@ -443,18 +452,24 @@ HiCacheController = type(
 StorageOperation, PrefetchOperation = _OPERATIONS["StorageOperation"], _OPERATIONS["PrefetchOperation"]
 
 
-def controller(adapter: HiCacheStorageAdapter, pool: Any) -> Any:
-    """The controller state those methods read, wired as SGLang wires it with interface_v1."""
+def controller(adapter: HiCacheStorageAdapter, pool: Any, zero_copy: bool) -> Any:
+    """The controller state those methods read, wired as SGLang wires it for ``interface_v1`` 1 or 0."""
     ctrl = HiCacheController()
-    ctrl.storage_backend, ctrl.page_size, ctrl.prefetch_sync_queue = adapter, pool.page_size, Queue()
-    ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    ctrl.storage_backend, ctrl.storage_host_pool, ctrl.page_size = adapter, pool, pool.page_size
+    ctrl.prefetch_sync_queue = Queue()
+    if zero_copy:
+        ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    else:
+        ctrl.page_get_func, ctrl.page_set_func = ctrl._generic_page_get, ctrl._generic_page_set
     return ctrl
 
 
-def test_sglang_controller_backs_up_queries_and_prefetches_through_the_adapter(open_adapter: Any) -> None:
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "legacy"])
+def test_sglang_controller_backs_up_queries_and_prefetches_through_the_adapter(open_adapter: Any, zero_copy: bool) -> None:
     pages = STORAGE_BATCH_SIZE * 2 + 44  # three storage batches
     writer_pool, reader_pool = make_host_pool(pages=2 * pages, seed=40), make_host_pool(pages=2 * pages, seed=41)
-    writer, reader = controller(open_adapter(writer_pool), writer_pool), controller(open_adapter(reader_pool), reader_pool)
+    writer = controller(open_adapter(writer_pool), writer_pool, zero_copy)
+    reader = controller(open_adapter(reader_pool), reader_pool, zero_copy)
     tokens = [(i * 7919) % 150_000 for i in range(pages * writer_pool.page_size + 3)]
     hashes = get_storage_hash_str(tokens, None, page_size=writer_pool.page_size)[:pages]
     assert hashes == page_hashes(tokens, writer_pool.page_size)
@@ -526,6 +541,30 @@ def test_documented_config_file_parses_with_sglangs_own_parser(tmp_path: Path) -
 
 
 # --- failures degrade, bad config is loud -------------------------------------------------------
+
+
+def test_backup_and_prefetch_threads_at_once(open_adapter: Any) -> None:
+    """SGLang's backup and prefetch threads call one backend concurrently."""
+    pool = make_host_pool(pages=64)
+    adapter = open_adapter(pool)
+    keys = chain(64, salt="threads")
+    assert adapter.batch_set_v1(keys[:32], host_indices(pool, list(range(32)))) == [True] * 32
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for start in range(32, 64, 4):
+                assert adapter.batch_set_v1(keys[start : start + 4], host_indices(pool, list(range(start, start + 4)))) == [True] * 4
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=backup)
+    thread.start()
+    for _ in range(8):
+        assert adapter.batch_get_v1(keys[:32], host_indices(pool, [p % 32 for p in range(32)])) == [True] * 32
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not errors, errors
+    assert adapter.batch_exists(keys) == 64
 
 
 def test_a_failing_store_degrades_to_misses(tmp_path: Path) -> None:
