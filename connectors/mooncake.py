@@ -50,7 +50,8 @@ Return codes (negative ints from the client) map to results and errors as follow
   master is back.
 
 Thread safety: the Mooncake client may be called from several threads; staging-buffer use is
-serialized by a lock. ``close`` returns at once and shuts the client down in a background thread. Every client process needs ``MC_TCP_BIND_ADDRESS``; it is set from
+serialized by a lock. ``close`` takes about a second
+(the Mooncake client joins its heartbeat thread). Every client process needs ``MC_TCP_BIND_ADDRESS``; it is set from
 ``local_hostname`` when unset.
 """
 
@@ -380,13 +381,8 @@ class MooncakeBackend(StorageBackend):
             self._register_range(address, view.nbytes)
 
     def _close(self) -> None:
-        # The Mooncake client's shutdown waits about a second for its heartbeat thread; do it in
-        # the background so close() returns at once. The staging memory stays registered and
-        # alive until the client is gone. Not a daemon thread: the interpreter waits for it, so
-        # a mounted segment is always unmounted cleanly.
-        threading.Thread(target=self._shutdown_client, name="mooncake-close", daemon=False).start()
-
-    def _shutdown_client(self) -> None:
+        # Mooncake's shutdown joins its heartbeat thread while holding the GIL (about 1 s); a
+        # background thread would block the caller just the same, so it is done here.
         self._store.close()
         self._staging.release()
         del self._staging_array
