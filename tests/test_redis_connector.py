@@ -7,12 +7,14 @@ runs against the standalone server, the cluster and a password-protected unix-so
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -459,6 +461,64 @@ class TestFailures:
             # socket would hand that reply ("A...") to this request for B.
             assert backend.get(keys[1:], 1024) == [values[1]]
             assert backend.get(keys, 1024) == values
+
+
+@pytest.mark.services
+def test_concurrent_callers_survive_a_kill_and_restart(own_server: RedisServer, rng: random.Random) -> None:
+    """Threads keep reading and writing while the server dies and returns.
+
+    Every hit must be the exact page for its key, every failure a retryable StorageError, and
+    every thread must succeed again after the restart.
+    """
+    keys = random_keys(new_scope(), 64, rng)
+    expected = {key: hashlib.sha256(key.page_hash.encode()).digest() * 32 for key in keys}
+    wrong: list[object] = []
+    unexpected: list[BaseException] = []
+    failures = [0]
+    done_before, done_after = [0], [0]
+    restarted, stop = threading.Event(), threading.Event()
+
+    def worker(seed: int) -> None:
+        picker = random.Random(seed)
+        while not stop.is_set():
+            batch = picker.sample(keys, 8)
+            try:
+                backend.put(batch, [expected[key] for key in batch])
+                for key, value in zip(batch, backend.get(batch, 1024)):
+                    if value is not None and value != expected[key]:
+                        wrong.append(key)
+                (done_after if restarted.is_set() else done_before)[0] += 1
+            except StorageError as exc:
+                failures[0] += 1
+                if not exc.retryable:
+                    unexpected.append(exc)
+            except BaseException as exc:  # anything else is a crash the connector let through
+                unexpected.append(exc)
+
+    def wait_for(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60  # a hang detector, not a performance bound
+        while not condition():
+            assert time.monotonic() < deadline, f"gave up waiting for {what}"
+            time.sleep(0.01)
+
+    config = {"url": own_server.url, "connect_timeout": 1, "socket_timeout": 2, "max_connections": 8}
+    with RedisBackend(config) as backend:
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_for(lambda: done_before[0] >= 40, "calls before the kill")
+            own_server.kill()
+            wait_for(lambda: failures[0] >= 8, "calls to fail while the server is down")
+            own_server.restart()
+            restarted.set()
+            wait_for(lambda: done_after[0] >= 40, "calls to succeed after the restart")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=60)
+    assert not wrong, f"{len(wrong)} reads returned bytes that were never written for their key"
+    assert not unexpected, unexpected[0]
 
 
 def _error_texts(error: BaseException) -> list[str]:
