@@ -22,7 +22,7 @@ import signal
 import socket
 import ssl
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hicache_storage.testing.process import ServerProcess, ServiceError, free_port
@@ -263,7 +263,7 @@ class RedisCluster:
             node.command("CLUSTER", "SET-CONFIG-EPOCH", index + 1)
             node.command("CLUSTER", "ADDSLOTSRANGE", low, high)
 
-    def _healthy_from(self, node: RedisServer):
+    def _healthy_from(self, node: RedisServer) -> Callable[[], bool]:
         expected = len(self.nodes)
 
         def healthy() -> bool:
