@@ -352,6 +352,21 @@ class TestStandalone:
         finally:
             server.stop()
 
+    def test_a_full_server_refuses_pages_one_by_one(self, rng: random.Random) -> None:
+        """With maxmemory and noeviction, writes past the limit fail as per-key False."""
+        server = RedisServer(extra_config=["maxmemory 4mb", "maxmemory-policy noeviction"])
+        server.start()
+        try:
+            keys = random_keys(new_scope(), 16, rng)
+            values = [rng.randbytes(512 * 1024) for _ in keys]
+            with RedisBackend({"url": server.url}) as backend:
+                assert not backend.capabilities.evicts
+                stored = backend.put(keys, values)
+                assert True in stored and False in stored
+                assert backend.get(keys, 512 * 1024) == [v if ok else None for v, ok in zip(values, stored)]
+        finally:
+            server.stop()
+
     def test_large_batches_are_split_to_max_batch(self, redis_server: RedisServer, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 50, rng)
         values = [rng.randbytes(64) for _ in keys]
