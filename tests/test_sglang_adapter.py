@@ -228,6 +228,31 @@ def test_pages_round_trip_bit_exact_between_two_engines(open_adapter: Any, kind:
         assert page_bytes(reader_pool, dst) == page_bytes(writer_pool, src)
 
 
+@pytest.mark.services
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_mooncake_round_trip_from_the_registered_host_pool(request: pytest.FixtureRequest, kind: str) -> None:
+    """Pages round-trip through a real Mooncake master, with the host pool registered by the adapter."""
+    pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
+    master = request.getfixturevalue("mooncake_master")
+    pools = [make_host_pool(kind, seed=50), make_host_pool(kind, seed=51)]
+    adapters = []
+    for pool in pools:
+        config = storage_config(Rank(is_mla=kind == "mla"), "mooncake", master.client_config())
+        adapter = StorageBackendFactory.create_backend("dynamic", config, pool)
+        adapter.register_mem_pool_host(pool)
+        adapters.append(adapter)
+    try:
+        keys = chain(5, salt=f"mooncake-{kind}-{time.time_ns()}")
+        assert adapters[0].batch_set_v1(keys, host_indices(pools[0], [0, 1, 2, 3, 4])) == [True] * 5
+        assert adapters[1].batch_exists(keys) == 5
+        assert adapters[1].batch_get_v1(keys, host_indices(pools[1], [9, 8, 7, 6, 5])) == [True] * 5
+        for src, dst in zip([0, 1, 2, 3, 4], [9, 8, 7, 6, 5]):
+            assert page_bytes(pools[1], dst) == page_bytes(pools[0], src)
+    finally:
+        for adapter in adapters:
+            adapter.close()
+
+
 def test_segments_per_page_follow_the_pool(open_adapter: Any) -> None:
     """Page-first MHA pages are two segments (K, V); MLA one; layer-first one per layer and half."""
     from hicache_storage.sglang import _page_segments
