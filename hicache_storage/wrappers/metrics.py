@@ -261,6 +261,7 @@ class _DefaultCollector(_Collector):
         super().__init__([])
         self._members: weakref.WeakSet[MetricsWrapper] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._registered = False
 
     def wrappers(self) -> list[MetricsWrapper]:
@@ -269,10 +270,11 @@ class _DefaultCollector(_Collector):
 
     def add(self, wrapper: MetricsWrapper) -> None:
         client = _prometheus_client()
-        with self._lock:
+        with self._register_lock:  # register() calls collect(), which takes self._lock
             if not self._registered:
                 client.REGISTRY.register(self)
                 self._registered = True
+        with self._lock:
             self._members.add(wrapper)
 
     def remove(self, wrapper: MetricsWrapper) -> None:
