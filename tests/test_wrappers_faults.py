@@ -1,0 +1,174 @@
+"""The fault injector: every kind of fault, per operation, replayable from its seed."""
+
+import threading
+
+import pytest
+
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.errors import BackendClosedError, BackendContractError, ConfigError, StorageError
+from hicache_storage.keys import KeyScope, Namespace, PageKey
+from hicache_storage.wrappers import FaultInjectionWrapper, MetricsWrapper
+from hicache_storage.wrappers.faults import ERROR_KINDS
+
+SCOPE = KeyScope(Namespace(model="faults-tests", kv_dtype="bfloat16", page_size=16))
+SIZE = 256
+
+
+def keys(n: int) -> list[PageKey]:
+    return SCOPE.keys([f"{i:016x}" for i in range(n)])
+
+
+def page(i: int) -> bytes:
+    return bytes((i + j) % 256 for j in range(SIZE))
+
+
+MIXED = {
+    "exists": {"error_rate": 0.2, "wrong_count_rate": 0.1},
+    "get": {"error_rate": 0.1, "errors": ["timeout", "authentication"], "corrupt_rate": 0.2, "short_read_rate": 0.2},
+    "put": {"error_rate": 0.3, "errors": ["unavailable", "runtime"], "latency_rate": 0.5, "latency_seconds": 0.0001},
+}
+
+
+def run_workload(seed: int) -> tuple[list, list]:
+    store = FaultInjectionWrapper(MemoryBackend(), {"seed": seed, **MIXED})
+    outcomes = []
+    for step in range(30):
+        batch = keys(8)[step % 4 : step % 4 + 4]
+        for call in (
+            lambda: store.put(batch, [page(step)] * 4),
+            lambda: store.exists(batch),
+            lambda: store.get(batch, SIZE),
+        ):
+            try:
+                outcomes.append(call())
+            except Exception as exc:  # the outcome being compared
+                outcomes.append(type(exc).__name__)
+    return store.events, outcomes
+
+
+def test_the_same_seed_replays_the_same_faults_and_outcomes():
+    events, outcomes = run_workload(seed=42)
+    assert {e.fault for e in events} == {"error", "wrong_count", "corrupt", "short_read", "latency"}
+    assert run_workload(seed=42) == (events, outcomes)
+
+
+def test_another_seed_gives_other_faults():
+    assert run_workload(seed=1)[0] != run_workload(seed=2)[0]
+
+
+@pytest.mark.parametrize("kind", sorted(ERROR_KINDS))
+def test_every_error_kind_can_be_raised(kind):
+    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"error_rate": 1.0, "errors": [kind]}})
+    with pytest.raises(ERROR_KINDS[kind]) as caught:
+        store.get(keys(1), SIZE)
+    assert "injected fault" in str(caught.value)
+    if isinstance(caught.value, StorageError):
+        assert caught.value.operation == "get" and caught.value.backend == "faults(memory)"
+    assert store.stats()["faults_error"] == 1
+    assert store.put(keys(1), [page(1)]) == [True], "faults are per operation: put has none"
+
+
+@pytest.mark.parametrize("op", ["exists", "get", "put", "delete"])
+def test_a_wrong_result_count_is_rejected_by_the_sdk(op):
+    store = FaultInjectionWrapper(MemoryBackend(), {op: {"wrong_count_rate": 1.0}})
+    calls = {
+        "exists": lambda s: s.exists(keys(3)),
+        "get": lambda s: s.get(keys(3), SIZE),
+        "put": lambda s: s.put(keys(3), [page(0)] * 3),
+        "delete": lambda s: s.delete(keys(3)),
+    }
+    with pytest.raises(BackendContractError, match="results for 3 keys"):
+        calls[op](store)
+    # Also when another wrapper sits on top of the injector.
+    with pytest.raises(BackendContractError, match="results for 3 keys"):
+        calls[op](MetricsWrapper(store))
+
+
+def test_corruption_flips_bytes_of_a_hit():
+    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "corrupt_bytes": 3}})
+    store.put(keys(1), [page(7)])
+    head, tail = bytearray(100), bytearray(SIZE - 100)
+    assert store.get_into(keys(1), [[head, tail]]) == [True]  # a lying store: wrong data as a hit
+    got = bytes(head + tail)
+    assert 1 <= sum(a != b for a, b in zip(got, page(7))) <= 3
+    assert store.stats()["faults_corrupt"] == 1
+
+
+def test_a_short_read_leaves_the_rest_of_the_buffer_as_it_was():
+    store = FaultInjectionWrapper(MemoryBackend(), {"seed": 4, "get": {"short_read_rate": 1.0}})
+    store.put(keys(1), [page(3)])
+    head, tail = bytearray(b"\xaa" * 50), bytearray(b"\xaa" * (SIZE - 50))
+    assert store.get_into(keys(1), [[head, tail]]) == [True]
+    got = bytes(head + tail)
+    (event,) = store.events
+    arrived = int(event.detail.split()[0])
+    assert got[:arrived] == page(3)[:arrived]
+    assert got[arrived:] == b"\xaa" * (SIZE - arrived)
+
+
+def test_misses_are_left_alone_by_read_faults():
+    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "short_read_rate": 1.0}})
+    target = bytearray(b"\x11" * SIZE)
+    assert store.get_into(keys(1), [target]) == [False]
+    assert target == bytearray(b"\x11" * SIZE) and store.events == []
+
+
+def test_hangs_last_until_released_and_then_block_again():
+    store = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    results = []
+    first = threading.Thread(target=lambda: results.append(store.exists(keys(1))))
+    first.start()
+    assert store.wait_for_hangs(1, timeout=30)
+    assert first.is_alive() and results == []
+    store.release_hangs()
+    first.join(30)
+    assert results == [[False]]
+
+    def call_and_keep_error():
+        try:
+            store.exists(keys(1))
+        except BackendClosedError as exc:
+            results.append(exc)
+
+    second = threading.Thread(target=call_and_keep_error)
+    second.start()
+    assert store.wait_for_hangs(1, timeout=30), "a released hang must not release later ones"
+    store.close()  # closing releases every hang for good; the hung call then finds the store closed
+    second.join(30)
+    assert not second.is_alive() and store.hanging == 0
+    assert isinstance(results[-1], BackendClosedError)
+    assert store.stats()["faults_hang"] == 2
+
+
+def test_a_hang_with_a_limit_ends_on_its_own():
+    store = FaultInjectionWrapper(MemoryBackend(), {"put": {"hang_rate": 1.0, "hang_seconds": 0.01}})
+    assert store.put(keys(1), [page(1)]) == [True]
+    assert [e.fault for e in store.events] == ["hang"]
+
+
+def test_clear_and_register_buffer_can_fail_too():
+    store = FaultInjectionWrapper(
+        MemoryBackend(), {"clear": {"error_rate": 1.0, "errors": ["permission"]}, "register_buffer": {"error_rate": 1.0}}
+    )
+    with pytest.raises(ERROR_KINDS["permission"]):
+        store.clear(SCOPE.namespace)
+    with pytest.raises(ERROR_KINDS["unavailable"]):
+        store.register_buffer(bytearray(16))
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"put": {"corrupt_rate": 0.1}}, "only reads can return corrupted"),
+        ({"exists": {"short_read_rate": 0.1}}, "only reads"),
+        ({"clear": {"wrong_count_rate": 0.1}}, "no per-key results"),
+        ({"get": {"error_rat": 0.1}}, "unknown fault field.*error_rat.*valid: .*error_rate"),
+        ({"get": {"errors": ["gremlins"]}}, "unknown error kind.*gremlins.*valid: unavailable"),
+        ({"get": {"error_rate": 1.5}}, "less than or equal to 1"),
+        ({"get": {"errors": []}}, "at least 1"),
+        ({"gets": {}}, "valid keys: clear, delete, exists, get, put, register_buffer, seed"),
+    ],
+)
+def test_bad_fault_configs_are_config_errors(config, match):
+    with pytest.raises(ConfigError, match=match):
+        FaultInjectionWrapper(MemoryBackend(), config)
