@@ -25,6 +25,7 @@ from hicache_storage.errors import (
     BackendUnavailableError,
     ConfigError,
     MissingDependencyError,
+    PermissionDeniedError,
     StorageError,
     StorageTimeoutError,
     ValueTooLargeError,
@@ -417,6 +418,28 @@ class TestFailures:
         assert password_server.address in str(info.value)
         for text in _error_texts(info.value):
             assert PASSWORD not in text and "wrong-password" not in text
+
+    def test_acl_user_and_its_permissions(self, rng: random.Random) -> None:
+        acl = [
+            f"user writer on >{PASSWORD} ~hicache:* +@all",
+            f"user reader on >{PASSWORD} ~hicache:* +ping +get +exists +scan +config|get +hello +auth",
+        ]
+        server = RedisServer(extra_config=acl)
+        server.start()
+        try:
+            [key] = random_keys(new_scope(), 1, rng)
+            with RedisBackend({"url": f"redis://writer@{server.address}/0", "password": PASSWORD}) as writer:
+                assert writer.put([key], [b"acl"]) == [True]
+            with RedisBackend({"url": f"redis://reader@{server.address}/0", "password": PASSWORD}) as reader:
+                assert reader.get([key], 3) == [b"acl"]
+                with pytest.raises(PermissionDeniedError) as info:
+                    reader.put([key], [b"no!"])
+                assert "'set' command" in str(info.value) and not info.value.retryable
+                assert PASSWORD not in str(info.value)
+            with pytest.raises(AuthenticationError):
+                RedisBackend({"url": f"redis://nobody@{server.address}/0", "password": PASSWORD})
+        finally:
+            server.stop()
 
     def test_unreachable_server_is_named(self) -> None:
         port = free_port()
