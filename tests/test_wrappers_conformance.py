@@ -81,3 +81,14 @@ class TestRecommendedStackConformance(ConformanceTests):
     @pytest.fixture
     def backend_config(self):
         return CAPPED_MEMORY
+
+
+class TestRecommendedStackOnFileConformance(ConformanceTests):
+    """On a persistent store the stack must also survive reopening and serve another process."""
+
+    backend = "file"
+    wrappers = TestRecommendedStackConformance.wrappers
+
+    @pytest.fixture
+    def backend_config(self, tmp_path):
+        return {"root": str(tmp_path / "pages")}
