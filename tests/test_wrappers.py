@@ -277,3 +277,13 @@ def test_segments_reach_the_inner_unchanged_through_pass_through_wrappers():
     target = bytearray(32)
     assert store.get_into(keys(1), [target]) == [True]
     assert seen[0][0].obj is target
+
+
+def test_counters_of_stacked_wrappers_of_one_kind_add_up():
+    store = wrap(MemoryBackend(), [{"kind": "faults", "exists": {"error_rate": 1.0}}, {"kind": "retry", "attempts": 2, "base_seconds": 0.0001}])
+    store = wrap(store, [{"kind": "retry", "attempts": 3, "base_seconds": 0.0001}])
+    with pytest.raises(BackendUnavailableError):
+        store.exists(keys(1))
+    # inner retry: 1 retry per outer try (3 tries) = 3; outer retry: 2 retries.
+    assert store.stats()["retries"] == 5
+    assert store.stats()["faults_error"] == 6

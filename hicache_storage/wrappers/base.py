@@ -105,9 +105,15 @@ class BackendWrapper(StorageBackend):
     # --- introspection ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """This wrapper's counters, plus the wrapper-specific counters of every layer below it."""
-        below = {name: value for name, value in self.inner.stats().items() if name not in _STAT_NAMES}
-        return {**below, **super().stats()}
+        """This wrapper's counters, plus the wrapper-specific counters of every layer below it.
+
+        Call and byte counters are this layer's; a wrapper-specific counter present in several
+        layers (two timeouts stacked) is their sum.
+        """
+        merged = {name: value for name, value in self.inner.stats().items() if name not in _STAT_NAMES}
+        for name, value in super().stats().items():
+            merged[name] = value if name in _STAT_NAMES else merged.get(name, 0) + value
+        return merged
 
     def layers(self) -> list[StorageBackend]:
         """Every backend in the chain, this wrapper first and the connector last."""

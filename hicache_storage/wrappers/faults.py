@@ -43,6 +43,7 @@ from typing import Any
 
 import pydantic
 
+from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
@@ -175,7 +176,7 @@ class FaultInjectionWrapper(BackendWrapper):
     extra_stats = ("faults_hang", "faults_error", "faults_latency", "faults_wrong_count", "faults_corrupt", "faults_short_read")
     config: FaultsConfig
 
-    def __init__(self, inner: Any, config: FaultsConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, inner: StorageBackend, config: FaultsConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self._calls = dict.fromkeys(OPERATIONS, 0)
         self._calls_lock = threading.Lock()

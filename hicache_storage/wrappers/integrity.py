@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import pydantic
 
+from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -122,7 +123,7 @@ class IntegrityWrapper(BackendWrapper):
     extra_stats = tuple(f"integrity_miss_{reason}" for reason in REASONS)
     config: IntegrityConfig
 
-    def __init__(self, inner: Any, config: IntegrityConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, inner: StorageBackend, config: IntegrityConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self._page_sizes: dict[KeyScope, int] = {}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pydantic
 
-from hicache_storage.backend import _STAT_NAMES
+from hicache_storage.backend import _STAT_NAMES, StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import MissingDependencyError
@@ -79,7 +79,7 @@ class MetricsWrapper(BackendWrapper):
     Config = MetricsConfig
     config: MetricsConfig
 
-    def __init__(self, inner: Any, config: MetricsConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, inner: StorageBackend, config: MetricsConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self.label = self.config.label or unwrap(inner).name
         self._lock = threading.Lock()

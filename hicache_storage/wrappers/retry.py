@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
+from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import RetryableError
@@ -55,7 +56,7 @@ class RetryWrapper(BackendWrapper):
     extra_stats = ("retries", "retries_exhausted")
     config: RetryConfig
 
-    def __init__(self, inner: Any, config: RetryConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, inner: StorageBackend, config: RetryConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self._rng = random.Random(self.config.seed)
         # Replaceable for tests that check the schedule without sleeping.

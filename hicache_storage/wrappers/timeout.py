@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
+from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -90,7 +91,7 @@ class TimeoutWrapper(BackendWrapper):
     extra_stats = ("timeouts", "timeout_busy", "timeout_late_completions")
     config: TimeoutConfig
 
-    def __init__(self, inner: Any, config: TimeoutConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, inner: StorageBackend, config: TimeoutConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self._slots = threading.BoundedSemaphore(self.config.workers)
         self._queue: SimpleQueue[_Job | None] = SimpleQueue()
