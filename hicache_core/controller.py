@@ -104,7 +104,6 @@ class PrefetchOp:
     tokens: list[int]
     start: int
     hashes: list[str]
-    anchor: TreeNode
     state: PrefetchState = PrefetchState.PLANNED
     host_indices: torch.Tensor | None = None
     issued_at: float = 0.0
@@ -212,6 +211,11 @@ class CacheController:
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     @property
+    def io_pending(self) -> bool:
+        """Whether copies or backups are in flight (their completion may make memory evictable)."""
+        return bool(self._pending_writes) or self._backups_outstanding > 0
+
+    @property
     def storage_writer(self) -> bool:
         return self.storage is not None and self.scope is not None and self.scope.shard.is_writer
 
@@ -255,6 +259,10 @@ class CacheController:
         assert self.transfers is not None and node.device_value is not None
         started = time.perf_counter()
         host_slots = self.alloc_host(len(node.key))
+        if host_slots is None and self.config.buffer_only and self.io_pending:
+            # Staging is full of pages on their way to storage: wait for them rather than skip the backup.
+            self.drain()
+            host_slots = self.alloc_host(len(node.key))
         if host_slots is None:
             return False
         event = self.transfers.backup(node.device_value, host_slots)
@@ -335,7 +343,8 @@ class CacheController:
 
     def _drop_staging(self, node: TreeNode) -> None:
         """Buffer-only: the host copy was only staging; free it once nothing reads it."""
-        if node.host_value is not None and node.host_ref == 0 and node.lock_ref == 0:
+        # A locked node is in use by a request: its host copy may go once the device holds the KV.
+        if node.host_value is not None and node.host_ref == 0 and (node.device_value is not None or node.lock_ref == 0):
             self.tree.drop_host_value(node)
 
     # --- reads: storage -> host ---------------------------------------------------------------
@@ -351,9 +360,10 @@ class CacheController:
             return None
         candidate = tokens[start : start + whole * self.page_size]
         hashes = page_hashes(candidate, self.page_size, match.host_node.last_hash)
-        op = PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes, match.host_node)
-        self.tree.protect_host(op.anchor)
-        return op
+        # The prefix is not pinned while the request waits: pinning it would hold device memory
+        # for queued requests. If it is evicted meanwhile, insert_host finds the gap and the
+        # prefetched pages are dropped (counted), never attached to the wrong place.
+        return PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes)
 
     def try_issue(self, op: PrefetchOp) -> bool:
         """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
@@ -396,9 +406,10 @@ class CacheController:
             keep_waiting = waited < self.config.prefetch.timeout_for(op.pages * self.page_size)
         return not self.tp.scheduler.all_max(int(keep_waiting))
 
-    def finish_prefetch(self, op: PrefetchOp) -> int:
-        """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted."""
-        inserted = 0
+    def finish_prefetch(self, op: PrefetchOp) -> int | None:
+        """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,
+        or None when the prefix they hang from was evicted meanwhile (the pages are dropped)."""
+        inserted: int | None = 0
         if op.state is not PrefetchState.PLANNED:
             assert self.host is not None and op.host_indices is not None
             op.terminate.set()
@@ -411,6 +422,7 @@ class CacheController:
                 if result is None:
                     self.metrics.add(prefetch_dropped_tokens=used)
                     self.host.allocator.free(op.host_indices[:used])
+                    inserted = None
                 else:
                     inserted = result.inserted_tokens
                     for unused in result.unused:
@@ -418,7 +430,6 @@ class CacheController:
             if used < op.host_indices.numel():
                 self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
             self._prefetch_pages_in_flight -= op.pages
-        self.tree.release_host(op.anchor)
         op.state = PrefetchState.FINISHED
         return inserted
 
@@ -541,9 +552,15 @@ class CacheController:
         for _ in range(ready):
             op = self._backup_acks.get()
             self._backups_outstanding -= 1
+            parent = op.node.parent
             self.tree.release_host(op.node)
             if self.config.buffer_only:
                 self._drop_staging(op.node)
+                # A split may have moved part of the staged pages into ancestors: free those too.
+                while parent is not None and parent is not self.tree.root:
+                    above = parent.parent
+                    self._drop_staging(parent)
+                    parent = above
 
     def drain(self, poll_interval_s: float = 0.001) -> None:
         """Wait until every queued device -> host copy and storage backup has completed and been applied."""

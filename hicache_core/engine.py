@@ -33,7 +33,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.registry import create_backend
 
-from hicache_core.controller import CacheController, ControllerConfig, PrefetchOp
+from hicache_core.controller import CacheController, ControllerConfig, PrefetchOp, PrefetchState
 from hicache_core.metrics import CacheMetrics
 from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool
@@ -120,6 +120,8 @@ class _Live:
     node: TreeNode | None = None
     prefix_slots: torch.Tensor | None = None
     own_slots: torch.Tensor | None = None
+    storage_tokens: int | None = 0
+    refetched: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -200,9 +202,15 @@ class Engine:
             raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
         live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter())
         if self.config.tiers is not CacheTiers.OFF:
-            match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
-            live.prefetch = self.controller.plan_prefetch(request.rid, list(request.tokens), match)
+            self._plan_prefetch(live)
         self._waiting.append(live)
+
+    def _plan_prefetch(self, live: _Live) -> None:
+        request = live.request
+        match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
+        live.prefetch = self.controller.plan_prefetch(request.rid, self._matchable(request), match)
+        if live.prefetch is not None:
+            self.controller.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -250,10 +258,19 @@ class Engine:
                 break
             op = live.prefetch
             if op is not None:
-                if op.state.value == "planned" and not self.controller.try_issue(op):
+                if op.state is PrefetchState.PLANNED and not self.controller.try_issue(op):
                     continue
                 if not self.controller.prefetch_ready(op):
                     continue
+                live.prefetch = None
+                live.storage_tokens = self.controller.finish_prefetch(op)
+                if live.storage_tokens is None:
+                    # Its prefix was evicted while it waited: fetch again from the new match, once.
+                    live.storage_tokens = 0
+                    if not live.refetched:
+                        live.refetched = True
+                        self._plan_prefetch(live)
+                        continue
             if self._start(live):
                 self._waiting.remove(live)
                 self._running.append(live)
@@ -262,7 +279,7 @@ class Engine:
                     self._finish(live)
                 else:
                     self._prefilled.add(id(live))
-            elif not self._running:
+            elif not self._running and not self.controller.io_pending:
                 raise EngineCapacityError(
                     f"request {live.request.rid!r} needs {len(live.request.tokens) + live.request.max_new_tokens} "
                     f"token slots but the device pool cannot free that many ({self.config.device_pages} pages of "
@@ -275,10 +292,7 @@ class Engine:
     def _start(self, live: _Live) -> bool:
         """Place the request's KV (cached prefix + new slots) and prefill; False if device memory is short."""
         request, result = live.request, live.result
-        inserted = 0
-        if live.prefetch is not None:
-            inserted = self.controller.finish_prefetch(live.prefetch)
-            live.prefetch = None
+        inserted = live.storage_tokens
         load: LayerLoad | None = None
         device_hit = 0
         if self.config.tiers is CacheTiers.OFF:
@@ -294,6 +308,7 @@ class Engine:
         if live.own_slots is None:
             if load is not None:
                 load.wait_all()
+                self.controller.release_staged_loads()
             if live.node is not None:
                 self.tree.unlock(live.node)
                 live.node = None
@@ -313,8 +328,7 @@ class Engine:
         new_tokens = request.tokens[live.prefix_len :]
         self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
         result.ttft_s = time.perf_counter() - live.submitted
-        if load is not None:
-            self.controller.release_staged_loads()
+        self.controller.release_staged_loads()
         return True
 
     def _path_slots(self, node: TreeNode) -> torch.Tensor:

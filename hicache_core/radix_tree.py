@@ -3,7 +3,7 @@
 Every node holds a page-aligned run of tokens and, for them: the device slots (L1) or ``None``,
 the host slots (L2) or ``None``, the SGLang page hashes (the L3 keys, computed once at insert and
 kept right by splits), a lock count (a running request uses the device copy), a host-reference
-count (host pages with storage I/O in flight, or a prefetch anchored here), a hit count and the
+count (host pages with storage I/O in flight), a hit count and the
 last access time. L3 presence is never recorded here: it is asked live from the store.
 
 Invariants (``check_invariants`` verifies them in tests):
@@ -305,7 +305,7 @@ class RadixTree:
             if node.host_value is None and backup is not None:
                 backup(node)
             assert node.device_value is not None
-            size = len(node.key)
+            size, parent = len(node.key), node.parent
             if node.host_value is not None:
                 self._free_device(node.device_value)
                 node.device_value = None
@@ -316,7 +316,6 @@ class RadixTree:
             else:
                 continue
             freed += size
-            parent = node.parent
             if parent is not None and self._device_evictable(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed

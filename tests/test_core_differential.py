@@ -1,0 +1,168 @@
+"""The differential test: outputs (token ids and logits) are bit-identical whatever tier the KV came from.
+
+A multi-turn workload on a device pool and a host pool too small for its history (so pages are
+evicted from L1 and L2 and really come back from L3) is served with HiCache off, then with L1,
+L1+L2 and L1+L2+L3, for every host layout, write policy and stop policy, on the memory and file
+connectors; then again after flushing L1 and L2, from a second engine sharing the same L3, and
+after restarting the engine on a persistent L3. Counters prove where the KV came from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import pytest
+import torch
+
+from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
+from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, RequestResult, make_conversations, serve_conversations
+from hicache_core.model import ModelConfig
+
+MHA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
+MLA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, head_dim=8, ffn=64, mla=True, latent_dim=16, seed=12)
+CONVERSATIONS = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
+NEW_TOKENS = 3
+LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+
+
+def config(model: ModelConfig, tiers: CacheTiers, layout: str = "page_first", write: WritePolicy = WritePolicy.WRITE_THROUGH,
+           stop: StopPolicy = StopPolicy.WAIT_COMPLETE, backend: str | None = None, storage_config: dict | None = None,
+           **overrides: object) -> EngineConfig:
+    controller = ControllerConfig(write_policy=write, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=stop))
+    base = dict(
+        model=model, tiers=tiers, page_size=4, device_pages=36, host_pages=48, host_ratio=None, layout=layout,
+        controller=controller, storage_backend=backend, storage_config=storage_config, max_running=2,
+    )
+    base.update(overrides)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def assert_identical(expected: list[RequestResult], got: list[RequestResult]) -> None:
+    assert len(expected) == len(got)
+    for want, have in zip(expected, got):
+        assert have.output_ids == want.output_ids, f"{have.rid}: token ids differ"
+        assert have.logits is not None and want.logits is not None
+        # Compare the bits, not the values: -0.0 vs 0.0 or a NaN payload would count as a difference.
+        assert torch.equal(have.logits.view(torch.int32), want.logits.view(torch.int32)), f"{have.rid}: logits differ"
+
+
+def last_round_requests(rounds: list[list[RequestResult]]) -> list[Request]:
+    """The final round's prompts, rebuilt from the conversation history, to serve again."""
+    histories: list[list[int]] = [[] for _ in CONVERSATIONS]
+    requests = []
+    for r, results in enumerate(rounds):
+        for c, result in enumerate(results):
+            prompt = histories[c] + CONVERSATIONS[c][r]
+            histories[c] = prompt + result.output_ids
+            if r == len(rounds) - 1:
+                requests.append(Request(f"again-{c}", prompt, NEW_TOKENS))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, list[list[RequestResult]]]:
+    out = {}
+    for name, model in (("mha", MHA), ("mla", MLA)):
+        with Engine(config(model, CacheTiers.OFF)) as engine:
+            out[name] = serve_conversations(engine, CONVERSATIONS, NEW_TOKENS)
+    return out
+
+
+def check_rounds(expected: list[list[RequestResult]], got: list[list[RequestResult]]) -> None:
+    for want, have in zip(expected, got):
+        assert_identical(want, have)
+
+
+@pytest.mark.parametrize("tiers", [CacheTiers.L1, CacheTiers.L1_L2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_l1_and_l2_match_recompute(baseline, tiers, layout):
+    with Engine(config(MHA, tiers, layout)) as engine:
+        rounds = serve_conversations(engine, CONVERSATIONS, NEW_TOKENS)
+        snapshot = engine.metrics.snapshot()
+        engine.tree.check_invariants()
+    check_rounds(baseline["mha"], rounds)
+    assert snapshot["device_evicted_tokens"] > 0, "the workload must overflow L1"
+    assert snapshot["device_hit_tokens"] > 0
+    if tiers is CacheTiers.L1_L2:
+        assert snapshot["host_hit_tokens"] > 0 and snapshot["load_back_tokens"] > 0
+
+
+def run_l3_scenario(baseline_rounds, model: ModelConfig, layout: str, write: WritePolicy, stop: StopPolicy,
+                    backend: str, storage_config: dict, *, restart: bool) -> None:
+    cfg = config(model, CacheTiers.L1_L2_L3, layout, write, stop, backend, storage_config)
+    expected_again = [
+        RequestResult(f"again-{c}", 0, r.output_ids, r.logits) for c, r in enumerate(baseline_rounds[-1])
+    ]
+    again = last_round_requests(baseline_rounds)
+    with Engine(cfg) as engine:
+        rounds = serve_conversations(engine, CONVERSATIONS, NEW_TOKENS)
+        check_rounds(baseline_rounds, rounds)
+        assert engine.metrics.snapshot()["device_evicted_tokens"] > 0
+        # Flush L1 and L2: everything must come back from L3.
+        engine.flush_cache()
+        assert engine.tree.token_counts() == {"device": 0, "host": 0, "nodes": 0}
+        flushed = engine.serve(again)
+        assert_identical(expected_again, flushed)
+        engine.tree.check_invariants()
+        if stop is not StopPolicy.BEST_EFFORT:  # best effort may legitimately take nothing
+            assert sum(r.cached_storage for r in flushed) > 0, "nothing was restored from L3"
+            assert engine.metrics.snapshot()["prefetch_pages"] > 0
+        # A second engine sharing the same L3.
+        with Engine(cfg) as second:
+            shared = second.serve(again)
+        assert_identical(expected_again, shared)
+        if stop is not StopPolicy.BEST_EFFORT:
+            assert sum(r.cached_storage for r in shared) > 0
+    if restart:
+        with Engine(cfg) as restarted:
+            after = restarted.serve(again)
+        assert_identical(expected_again, after)
+        if stop is not StopPolicy.BEST_EFFORT:
+            assert sum(r.cached_storage for r in after) > 0
+
+
+@pytest.mark.parametrize(
+    "layout,write,stop",
+    list(itertools.product(LAYOUTS, list(WritePolicy), list(StopPolicy))),
+    ids=lambda v: v.value if hasattr(v, "value") else v,
+)
+def test_l3_memory_connector(baseline, layout, write, stop):
+    store = {"store": f"differential-{uuid.uuid4().hex}"}
+    run_l3_scenario(baseline["mha"], MHA, layout, write, stop, "memory", store, restart=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,write", list(itertools.product(LAYOUTS, list(WritePolicy))), ids=lambda v: v.value if hasattr(v, "value") else v
+)
+def test_l3_file_connector_with_restart(baseline, tmp_path, layout, write):
+    run_l3_scenario(baseline["mha"], MHA, layout, write, StopPolicy.TIMEOUT, "file", {"root": str(tmp_path)}, restart=True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_all_tiers(baseline, tmp_path, layout):
+    with Engine(config(MLA, CacheTiers.L1_L2, layout)) as engine:
+        check_rounds(baseline["mla"], serve_conversations(engine, CONVERSATIONS, NEW_TOKENS))
+    run_l3_scenario(baseline["mla"], MLA, layout, WritePolicy.WRITE_THROUGH, StopPolicy.WAIT_COMPLETE, "file",
+                    {"root": str(tmp_path)}, restart=True)
+
+
+@pytest.mark.parametrize("write", list(WritePolicy), ids=lambda w: w.value)
+def test_buffer_only_mode(baseline, write):
+    store = {"store": f"buffer-only-{uuid.uuid4().hex}"}
+    cfg = config(MHA, CacheTiers.L1_L2_L3, write=write, backend="memory", storage_config=store, host_pages=24)
+    cfg.controller = ControllerConfig(
+        write_policy=write, buffer_only=True, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE)
+    )
+    again = last_round_requests(baseline["mha"])
+    with Engine(cfg) as engine:
+        check_rounds(baseline["mha"], serve_conversations(engine, CONVERSATIONS, NEW_TOKENS))
+        engine.flush_cache()
+        flushed = engine.serve(again)
+        assert_identical([RequestResult(r.rid, 0, b.output_ids, b.logits) for r, b in zip(again, baseline["mha"][-1])], flushed)
+        engine.controller.drain()
+        snapshot = engine.metrics.snapshot()
+        assert snapshot["host_hit_tokens"] == 0, "buffer-only mode serves no L2 hits"
+        assert sum(r.cached_storage for r in flushed) > 0, "the flushed history must come back from L3"
+        assert engine.tree.token_counts()["host"] == 0, "staging pages are freed once their I/O is done"
