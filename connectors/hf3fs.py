@@ -504,6 +504,9 @@ class HF3FSBackend(StorageBackend):
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the hf3fs root {str(self._root)!r}: {exc.strerror}", field="root", backend=self.name) from None
+        use_usrbio = cfg.io == "usrbio" or (cfg.io == "auto" and usrbio_available())
+        if cfg.io == "usrbio" and not usrbio_available():
+            raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
         self._index_errors = _redis_errors() if cfg.metadata_url is not None else ()
         if cfg.metadata_url is None:
             self._index: LocalSlotIndex | RedisSlotIndex = _open_local_index(self._root, cfg.rank)
@@ -511,6 +514,14 @@ class HF3FSBackend(StorageBackend):
             prefix = cfg.metadata_prefix or f"hicache:hf3fs:{hashlib.sha256(str(self._root).encode()).hexdigest()[:16]}:"
             self._index = self._guard(lambda: RedisSlotIndex(cfg.metadata_url.get_secret_value(), prefix, cfg.rank, 0), "connect")
             self.capabilities = self.capabilities.replace(persistent=True, shared_across_processes=True, shared_across_hosts=True)
+        try:
+            self._open_files(use_usrbio)
+        except BaseException:
+            self._release_index()
+            raise
+
+    def _open_files(self, use_usrbio: bool) -> None:
+        cfg: HF3FSConfig = self.config
         page_size = cfg.page_size_bytes or self._index.page_size
         if cfg.page_size_bytes and self._index.page_size and _aligned(cfg.page_size_bytes) != self._index.page_size:
             raise ConfigError(
@@ -518,11 +529,10 @@ class HF3FSBackend(StorageBackend):
                 field="page_size_bytes",
                 backend=self.name,
             )
-        use_usrbio = cfg.io == "usrbio" or (cfg.io == "auto" and usrbio_available())
-        if cfg.io == "usrbio" and not usrbio_available():
-            raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
         if use_usrbio and page_size is None:
             raise ConfigError("the usrbio path needs page_size_bytes to size its buffers", field="page_size_bytes", backend=self.name)
+        if page_size is not None:
+            self._set_page_size(page_size)
         self._files = (
             UsrbioFiles(self._root, cfg.numjobs, cfg.file_size, _aligned(page_size), cfg.usrbio_entries, cfg.usrbio_timeout_s)
             if use_usrbio
@@ -531,8 +541,12 @@ class HF3FSBackend(StorageBackend):
         self._files.create(cfg.rank)
         self.capabilities = self.capabilities.replace(zero_copy_read=self._files.zero_copy, zero_copy_write=self._files.zero_copy)
         self._pool = ThreadPoolExecutor(max_workers=cfg.numjobs, thread_name_prefix="hf3fs-io")
-        if page_size is not None:
-            self._set_page_size(page_size)
+
+    def _release_index(self) -> None:
+        if isinstance(self._index, LocalSlotIndex):
+            _close_local_index(self._root, self.config.rank)
+        else:
+            self._index.client.close()
 
     # --- hooks --------------------------------------------------------------------------------
 
@@ -590,8 +604,7 @@ class HF3FSBackend(StorageBackend):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
         self._files.close()
-        if isinstance(self._index, LocalSlotIndex):
-            _close_local_index(self._root, self.config.rank)
+        self._release_index()
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -1,0 +1,297 @@
+"""The hf3fs connector on a local directory standing in for a 3FS mount (no 3FS cluster here).
+
+The slot index is tested both in-process and in a real Redis server (``redis_server``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache_storage.conformance import ConformanceTests
+from hicache_storage.connectors.hf3fs import HF3FSBackend, usrbio_available
+from hicache_storage.errors import BackendUnavailableError, ConfigError, MissingDependencyError, ValueTooLargeError
+from hicache_storage.keys import KeyScope, Namespace, Shard
+
+SLOT = 4096
+
+
+def conformance_config(root: Path) -> dict[str, Any]:
+    # 512 sparse slots of 1 MiB: room for the suite's largest pages and its 300-page batch.
+    return {"root": str(root), "file_size": 256 * 2**20, "numjobs": 2, "page_size_bytes": 2**20}
+
+
+class TestHF3FSConformance(ConformanceTests):
+    backend = "hf3fs"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path: Path) -> dict[str, Any]:
+        return conformance_config(tmp_path / "mount")
+
+
+class TestHF3FSRedisIndexConformance(ConformanceTests):
+    backend = "hf3fs"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path: Path, redis_server: Any) -> dict[str, Any]:
+        return {
+            **conformance_config(tmp_path / "mount"),
+            "metadata_url": redis_server.url,
+            "metadata_prefix": f"test:{tmp_path.name}:",
+        }
+
+
+@pytest.fixture(params=["local", "redis"])
+def index_config(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Config keys choosing the slot index: in-process, or in the session's real Redis."""
+    if request.param == "local":
+        return {}
+    server = request.getfixturevalue("redis_server")
+    return {"metadata_url": server.url, "metadata_prefix": f"test:{tmp_path.name}:"}
+
+
+@pytest.fixture
+def scope() -> KeyScope:
+    return KeyScope(Namespace(model=f"hf3fs-test-{random.getrandbits(48):012x}", kv_dtype="bfloat16", page_size=16))
+
+
+def small_store(root: Path, index_config: dict[str, Any], slots: int, **extra: Any) -> HF3FSBackend:
+    """A store with exactly ``slots`` slots of 4 KiB (one file)."""
+    return HF3FSBackend({"root": str(root), "file_size": slots * SLOT, "numjobs": 1, "page_size_bytes": SLOT, **index_config, **extra})
+
+
+def page(key_number: int, size: int = SLOT) -> bytes:
+    """A page whose every byte names the key that owns it, so foreign bytes are recognizable."""
+    return bytes([key_number % 251 + 1]) * size
+
+
+def hashes(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["%064x" % rng.getrandbits(256) for _ in range(n)]
+
+
+# --- slot reuse ---------------------------------------------------------------------------------
+
+
+def test_full_store_reuses_the_least_recently_used_slots(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    with small_store(tmp_path / "mount", index_config, slots=4) as store:
+        keys = scope.keys(hashes(7, 1))
+        assert store.put(keys[:4], [page(i) for i in range(4)]) == [True] * 4
+        assert store.get(keys[:1], SLOT) == [page(0)]  # key 0 is now the most recently used
+        assert store.put(keys[4:7], [page(i) for i in range(4, 7)]) == [True] * 3
+        assert store.exists(keys) == [True, False, False, False, True, True, True]
+        assert store.get(keys, SLOT) == [page(0), None, None, None, page(4), page(5), page(6)]
+        files = list((tmp_path / "mount").glob("rank0.*.data"))
+        assert [f.stat().st_size for f in files] == [4 * SLOT], "the data file must stay pre-sized, never grow"
+
+
+def test_overwrite_takes_a_new_slot_and_frees_the_old(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    with small_store(tmp_path / "mount", index_config, slots=2) as store:
+        a, b = scope.keys(hashes(2, 2))
+        for round_ in range(5):  # overwriting in a two-slot store must never run out of slots
+            assert store.put([a], [page(round_)]) == [True]
+        assert store.put([b], [page(9)]) == [True]
+        assert store.get([a, b], SLOT) == [page(4), page(9)]
+
+
+def test_reader_sees_a_miss_when_its_slot_is_reused_mid_read(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    """Fault injection: another writer takes the slot between the reader's lookup and its read."""
+    with small_store(tmp_path / "mount", index_config, slots=1) as store:
+        victim, intruder = scope.keys(hashes(2, 3))
+        assert store.put([victim], [page(1)]) == [True]
+        real_read = store._files.read
+
+        def read_after_reuse(loc: Any, target: Any) -> bool:
+            store._files.read = real_read  # once
+            assert store.put([intruder], [page(2)]) == [True]  # evicts the victim, reuses its slot
+            return real_read(loc, target)
+
+        store._files.read = read_after_reuse  # type: ignore[method-assign]
+        target = bytearray(SLOT)
+        assert store.get_into([victim], [target]) == [False], "a read of a reused slot must be a miss"
+        assert bytes(target) == page(2), "the injected reuse did not happen; the test proves nothing"
+        assert store.get([victim, intruder], SLOT) == [None, page(2)]
+
+
+@pytest.mark.slow
+def test_concurrent_readers_during_reuse_never_see_foreign_bytes(
+    tmp_path: Path, index_config: dict[str, Any], scope: KeyScope
+) -> None:
+    with small_store(tmp_path / "mount", index_config, slots=3, numjobs=1) as store:
+        keys = scope.keys(hashes(40, 4))
+        problems: list[str] = []
+        hits = [0]
+        stop = threading.Event()
+
+        def writer() -> None:
+            for round_ in range(15):
+                for i, key in enumerate(keys):
+                    store.put([key], [page(i)])
+            stop.set()
+
+        def reader() -> None:
+            target = bytearray(SLOT)
+            while not stop.is_set():
+                for i, key in enumerate(keys):
+                    if store.get_into([key], [target]) == [True]:
+                        hits[0] += 1
+                        if bytes(target) != page(i):
+                            problems.append(f"key {i} returned bytes {target[0]} (torn or another key's)")
+                            return
+
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert not any(t.is_alive() for t in threads)
+        assert problems == []
+        assert hits[0] > 0, "no read ever hit; the race was not exercised"
+
+
+# --- sharing ------------------------------------------------------------------------------------
+
+
+def test_two_ranks_share_pages_through_redis(tmp_path: Path, redis_server: Any, scope: KeyScope) -> None:
+    """MLA: rank 0 writes replicated pages into its files, rank 1 reads them through the shared index."""
+    common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "numjobs": 2, "page_size_bytes": SLOT}
+    common |= {"metadata_url": redis_server.url, "metadata_prefix": f"test:{tmp_path.name}:"}
+    mla = KeyScope(scope.namespace, Shard(tp_rank=0, tp_size=2, replicated=True))
+    with HF3FSBackend({**common, "rank": 0}) as rank0, HF3FSBackend({**common, "rank": 1}) as rank1:
+        keys = mla.keys(hashes(3, 5))
+        assert rank0.put(keys, [page(i) for i in range(3)]) == [True] * 3
+        assert rank1.exists(keys) == [True] * 3
+        assert rank1.get(keys, SLOT) == [page(i) for i in range(3)]
+        own = scope.keys(hashes(1, 6))
+        assert rank1.put(own, [page(7)]) == [True]
+        assert rank0.get(own, SLOT) == [page(7)]
+        assert sorted(p.name for p in (tmp_path / "mount").glob("*.data")) == [
+            "rank0.0.data",
+            "rank0.1.data",
+            "rank1.0.data",
+            "rank1.1.data",
+        ]
+
+
+def test_in_process_index_keeps_other_processes_off_the_rank(tmp_path: Path, scope: KeyScope) -> None:
+    config = {"root": str(tmp_path / "mount"), "file_size": 4 * SLOT, "numjobs": 1, "page_size_bytes": SLOT}
+    child = textwrap.dedent(
+        """
+        import json, sys
+        from hicache_storage.connectors.hf3fs import HF3FSBackend
+        from hicache_storage.errors import ConfigError
+        config = json.loads(sys.argv[1])
+        try:
+            HF3FSBackend(config).close()
+        except ConfigError as exc:
+            print("refused:", exc)
+        else:
+            print("opened")
+        """
+    )
+    with HF3FSBackend(config):
+        taken = subprocess.run([sys.executable, "-c", child, json.dumps(config)], capture_output=True, text=True, timeout=60)
+        other_rank = subprocess.run(
+            [sys.executable, "-c", child, json.dumps({**config, "rank": 1})], capture_output=True, text=True, timeout=60
+        )
+    assert taken.stdout.startswith("refused:") and "metadata_url" in taken.stdout, taken.stdout + taken.stderr
+    assert other_rank.stdout.strip() == "opened", other_rank.stdout + other_rank.stderr
+
+
+def test_instances_in_one_process_share_the_in_process_index(tmp_path: Path, scope: KeyScope) -> None:
+    config = {"root": str(tmp_path / "mount"), "file_size": 4 * SLOT, "numjobs": 1, "page_size_bytes": SLOT}
+    with HF3FSBackend(config) as first, HF3FSBackend(config) as second:
+        keys = scope.keys(hashes(2, 7))
+        assert first.put(keys, [page(1), page(2)]) == [True, True]
+        assert second.get(keys, SLOT) == [page(1), page(2)]
+
+
+# --- configuration and faults -------------------------------------------------------------------
+
+
+def test_page_size_is_fixed_by_the_first_write(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
+    with HF3FSBackend(config) as store:
+        assert store.capabilities.max_value_size is None
+        keys = scope.keys(hashes(3, 8))
+        assert store.put(keys[:1], [b"x" * 5000]) == [True]
+        assert store.capabilities.max_value_size == 2 * SLOT  # rounded up to 4 KiB
+        assert store.put(keys[1:2], [b"y" * 100]) == [True]
+        assert store.get(keys[:2], 5000) == [b"x" * 5000, None]
+        assert store.get(keys[1:2], 100) == [b"y" * 100]
+        with pytest.raises(ValueTooLargeError):
+            store.put(keys[2:], [bytes(2 * SLOT + 1)])
+
+
+def test_shared_index_rejects_another_page_size(tmp_path: Path, redis_server: Any) -> None:
+    common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "metadata_url": redis_server.url}
+    common["metadata_prefix"] = f"test:{tmp_path.name}:"
+    with HF3FSBackend({**common, "page_size_bytes": SLOT}):
+        with pytest.raises(ConfigError, match="page_size_bytes"):
+            HF3FSBackend({**common, "page_size_bytes": 2 * SLOT, "rank": 1})
+
+
+def test_unreachable_redis_is_named_without_the_password(tmp_path: Path) -> None:
+    from hicache_storage.testing.process import free_port
+
+    port = free_port()
+    with pytest.raises(BackendUnavailableError, match=f"127.0.0.1:{port}") as caught:
+        HF3FSBackend({"root": str(tmp_path), "metadata_url": f"redis://:hunter2@127.0.0.1:{port}/0"})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_slot_index_lost_mid_run_is_a_typed_error(tmp_path: Path, scope: KeyScope) -> None:
+    from hicache_storage.testing.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    try:
+        store = small_store(tmp_path / "mount", {"metadata_url": server.url, "metadata_prefix": "t:"}, slots=4)
+        keys = scope.keys(hashes(1, 9))
+        assert store.put(keys, [page(1)]) == [True]
+        server.kill()
+        with pytest.raises(BackendUnavailableError):
+            store.get(keys, SLOT)
+        server.restart()
+        # Redis kept nothing (no persistence): the page is a miss, and writes work again
+        assert store.get(keys, SLOT) == [None]
+        assert store.put(keys, [page(2)]) == [True]
+        assert store.get(keys, SLOT) == [page(2)]
+        store.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(usrbio_available(), reason="the usrbio binding is installed here")
+def test_usrbio_without_the_binding_is_a_missing_dependency(tmp_path: Path) -> None:
+    with pytest.raises(MissingDependencyError, match="hf3fs_fuse"):
+        HF3FSBackend({"root": str(tmp_path), "io": "usrbio", "page_size_bytes": SLOT})
+
+
+def test_posix_path_declares_zero_copy(tmp_path: Path) -> None:
+    with HF3FSBackend({"root": str(tmp_path), "file_size": 4 * SLOT, "io": "posix"}) as store:
+        assert store.capabilities.zero_copy_read and store.capabilities.zero_copy_write
+
+
+def test_root_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="root"):
+        HF3FSBackend({"root": str(blocker / "mount")})
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_local_indexes() -> Iterator[None]:
+    from hicache_storage.connectors import hf3fs
+
+    yield
+    assert not hf3fs._LOCAL_INDEXES, "a test left an hf3fs instance open"
