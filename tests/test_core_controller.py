@@ -1,0 +1,303 @@
+"""The cache controller: backup batching, prefetch threshold / rate limit / stop, page safety under
+in-flight I/O, layer-wise loads, runtime attach/detach, and engines on a failing or hanging store."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from hicache_core.controller import (
+    CacheController,
+    ControllerConfig,
+    PrefetchConfig,
+    PrefetchState,
+    StopPolicy,
+    WritePolicy,
+)
+from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
+from hicache_core.model import ModelConfig
+from hicache_core.pools import DevicePool, HostPool, KVGeometry
+from hicache_core.radix_tree import RadixTree
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.keys import KeyScope, Namespace, page_hashes
+from hicache_storage.wrappers.faults import FaultInjectionWrapper
+
+GEOMETRY = KVGeometry(layers=2, kv_heads=1, head_dim=4)
+SCOPE = KeyScope(Namespace("controller-test", "float32", 1, "page_first"))
+
+
+class RecordingBackend(MemoryBackend):
+    """A real in-memory store that records batch sizes and can fail one put batch halfway."""
+
+    def __init__(self) -> None:
+        super().__init__({"store": f"recording-{uuid.uuid4().hex}"})
+        self.put_batches: list[int] = []
+        self.fail_put_call: int | None = None
+        self.get_entered = threading.Event()
+        self.get_gate: threading.Event | None = None
+
+    def _put_from(self, keys, sources):
+        self.put_batches.append(len(keys))
+        if len(self.put_batches) == self.fail_put_call:
+            half = len(keys) // 2
+            return super()._put_from(keys[:half], sources[:half]) + [False] * (len(keys) - half)
+        return super()._put_from(keys, sources)
+
+    def _get_into(self, keys, targets):
+        self.get_entered.set()
+        if self.get_gate is not None:
+            self.get_gate.wait()
+        return super()._get_into(keys, targets)
+
+
+def make_controller(policy=WritePolicy.WRITE_THROUGH, page_size=1, device_pages=400, host_pages=400, **prefetch):
+    device = DevicePool(GEOMETRY, device_pages, page_size, device="cpu")
+    device.kv.copy_(torch.randn(device.kv.shape, generator=torch.Generator().manual_seed(0)))
+    host = HostPool(GEOMETRY, page_size, "page_first", num_pages=host_pages)
+    tree = RadixTree(page_size, device.allocator.free, host.allocator.free)
+    config = ControllerConfig(write_policy=policy, storage_timeout_s=None, prefetch=PrefetchConfig(**prefetch))
+    return CacheController(config, tree, device, host)
+
+
+def insert(controller: CacheController, tokens: list[int]):
+    slots = controller.alloc_device(len(tokens))
+    result = controller.tree.insert(tokens, slots[: len(tokens)])
+    controller.on_insert(result)
+    return slots
+
+
+def test_backup_goes_in_batches_of_128_and_stops_at_the_first_failed_batch():
+    controller = make_controller()
+    backend = RecordingBackend()
+    backend.fail_put_call = 2
+    controller.attach_storage(backend, SCOPE)
+    try:
+        tokens = list(range(300))
+        insert(controller, tokens)
+        controller.drain()
+        assert backend.put_batches == [128, 128], "the third batch must not run after the second failed"
+        stats = controller.metrics.snapshot()
+        assert stats["storage_backup_pages"] == 128 + 64 and stats["storage_backup_failed_batches"] == 1
+        keys = SCOPE.keys(page_hashes(tokens, 1))
+        assert backend.prefix_exists(keys) == 192
+        # A second backup of the same pages skips what the store already holds (asked live).
+        node = controller.tree.match_prefix(tokens).device_node
+        controller.tree.evict_device(1000)
+        assert node.host_value is not None
+        controller._queue_storage_backup(node)
+        controller.drain()
+        assert backend.put_batches[2:] == [108], "only pages 192..299 are written again"
+    finally:
+        controller.close()
+
+
+def plan(controller: CacheController, tokens: list[int]):
+    match = controller.tree.match_prefix(tokens)
+    return controller.plan_prefetch("r", tokens, match)
+
+
+def test_prefetch_below_threshold_is_revoked_and_frees_its_pages():
+    controller = make_controller(page_size=2, threshold_tokens=4, stop_policy=StopPolicy.WAIT_COMPLETE)
+    backend = RecordingBackend()
+    tokens = list(range(20))
+    backend.put_from(SCOPE.keys(page_hashes(tokens, 2))[:1], [bytes(GEOMETRY.token_bytes * 2)])
+    scope = KeyScope(Namespace("controller-test", "float32", 1, "page_first"))
+    controller.attach_storage(backend, scope)
+    try:
+        free_before = controller.host.allocator.free_pages
+        op = plan(controller, tokens)
+        assert op is not None and op.pages == 10
+        assert controller.try_issue(op)
+        op.done.wait()
+        assert op.state is PrefetchState.REVOKED and op.hit_pages == 1
+        assert controller.prefetch_ready(op)
+        assert controller.finish_prefetch(op) == 0
+        assert controller.host.allocator.free_pages == free_before
+        assert controller.metrics.snapshot()["prefetch_revoked"] == 1
+    finally:
+        controller.close()
+
+
+def test_rate_limited_prefetch_keeps_its_hit_and_runs_later():
+    controller = make_controller(page_size=2, threshold_tokens=2, capacity_pages=4, stop_policy=StopPolicy.WAIT_COMPLETE)
+    backend = RecordingBackend()
+    first, second = list(range(8)), list(range(100, 108))
+    for tokens in (first, second):
+        backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    controller.attach_storage(backend, SCOPE)
+    try:
+        op1, op2 = plan(controller, first + [0]), plan(controller, second + [0])
+        assert controller.try_issue(op1)
+        assert not controller.try_issue(op2), "capacity (4 pages) is taken by the first prefetch"
+        assert op2.state is PrefetchState.PLANNED and not controller.prefetch_ready(op2)
+        op1.done.wait()
+        assert controller.finish_prefetch(op1) == 8
+        assert controller.try_issue(op2), "capacity is back: the rate-limited request is issued now"
+        op2.done.wait()
+        assert controller.prefetch_ready(op2)
+        assert controller.finish_prefetch(op2) == 8, "the retried prefetch got its whole hit"
+        assert controller.tree.match_prefix(second).host_hit_length == 8
+        assert controller.metrics.snapshot()["prefetch_rate_limited"] == 1
+    finally:
+        controller.close()
+
+
+def test_timeout_formula_defaults():
+    config = PrefetchConfig()
+    assert (config.threshold_tokens, config.timeout_base_s, config.timeout_per_ki_token_s, config.timeout_max_s) == (256, 2.0, 0.1, 30.0)
+    assert config.timeout_for(2048) == pytest.approx(2.2)
+    assert config.timeout_for(10**7) == 30.0
+
+
+def test_host_pages_under_a_hung_read_are_never_reused():
+    controller = make_controller(page_size=2, host_pages=6, threshold_tokens=2, stop_policy=StopPolicy.BEST_EFFORT)
+    backend = RecordingBackend()
+    tokens = list(range(8))
+    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    backend.get_gate = threading.Event()
+    controller.attach_storage(backend, SCOPE)
+    try:
+        op = plan(controller, tokens + [0])
+        assert controller.try_issue(op)
+        assert backend.get_entered.wait(30), "the prefetch thread must reach the read"
+        read_pages = set(op.host_indices.tolist())
+        assert controller.prefetch_ready(op), "best effort stops waiting at once"
+        assert controller.finish_prefetch(op) == 0
+        taken = controller.host.allocator.alloc(controller.host.allocator.free_pages * 2)
+        assert taken is not None and not read_pages & set(taken.tolist()), "a page being read into was handed out"
+        controller.host.allocator.free(taken)
+        backend.get_gate.set()
+        op.done.wait()
+        assert controller.host.allocator.free_pages == 6, "the pages come back once the read returned"
+    finally:
+        backend.get_gate.set()
+        controller.close()
+
+
+def test_layer_wise_load_releases_each_layer_on_its_own():
+    controller = make_controller()
+    transfers = controller.transfers
+    gate = threading.Event()
+    original = transfers._load_layer
+
+    def slow_second_layer(layer, device_indices, host_indices):
+        if layer == 1:
+            gate.wait()
+        original(layer, device_indices, host_indices)
+
+    transfers._load_layer = slow_second_layer
+    try:
+        device_slots = controller.device.allocator.alloc(4)
+        host_slots = controller.host.allocator.alloc(4)
+        controller.host.kv.fill_(3.0)
+        load = transfers.load(device_slots, host_slots, lambda _: None)
+        load.wait(0)  # returns while layer 1 is still blocked
+        assert not load._events[1].is_set()
+        assert bool((controller.device.kv[:, 0, device_slots] == 3.0).all())
+        gate.set()
+        load.wait_all()
+        assert bool((controller.device.kv[:, 1, device_slots] == 3.0).all())
+    finally:
+        gate.set()
+        controller.close()
+
+
+# --- engines on misbehaving stores ---------------------------------------------------------------
+
+MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=3)
+CONVERSATIONS = make_conversations(clients=2, rounds=2, turn_tokens=20, vocab_size=256, seed=9)
+
+
+def engine_config(tiers: CacheTiers, timeout_s: float | None = 5.0) -> EngineConfig:
+    controller = ControllerConfig(
+        storage_timeout_s=timeout_s, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE)
+    )
+    return EngineConfig(model=MODEL, tiers=tiers, page_size=4, device_pages=20, host_pages=12, host_ratio=None,
+                        controller=controller, max_running=2)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with Engine(engine_config(CacheTiers.OFF)) as engine:
+        return serve_conversations(engine, CONVERSATIONS, 3)
+
+
+def check_same(expected_rounds, rounds):
+    for want_round, have_round in zip(expected_rounds, rounds):
+        for want, have in zip(want_round, have_round):
+            assert have.output_ids == want.output_ids
+            assert torch.equal(have.logits.view(torch.int32), want.logits.view(torch.int32))
+
+
+class FailingBackend(MemoryBackend):
+    """Answers every call, and every answer is 'no': nothing exists, nothing is read or stored."""
+
+    def _exists(self, keys):
+        return [False] * len(keys)
+
+    def _get_into(self, keys, targets):
+        return [False] * len(keys)
+
+    def _put_from(self, keys, sources):
+        return [False] * len(keys)
+
+
+ALL_CALLS = ("exists", "get", "put", "register_buffer")
+
+
+@pytest.mark.parametrize("fault", ["raises", "fails", "hangs"])
+def test_engine_on_a_broken_store_recomputes_and_stays_alive(expected, fault):
+    if fault == "raises":
+        backend = FaultInjectionWrapper(MemoryBackend(), {op: {"error_rate": 1.0, "errors": ["unavailable", "runtime"]} for op in ALL_CALLS})
+    elif fault == "fails":
+        backend = FailingBackend()
+    else:
+        backend = FaultInjectionWrapper(MemoryBackend(), {op: {"hang_rate": 1.0} for op in ALL_CALLS})
+    engine = Engine(engine_config(CacheTiers.L1_L2_L3, timeout_s=0.2), storage=backend)
+    try:
+        rounds = serve_conversations(engine, CONVERSATIONS, 3)
+        check_same(expected, rounds)
+        engine.flush_cache()  # drains every backup: each must have ended, failed or timed out
+        assert engine.controller.threads_alive, "backup and prefetch threads survive the store's failures"
+        assert engine.metrics.snapshot()["storage_hit_tokens"] == 0
+        failures = engine.metrics.snapshot()
+        if fault == "raises":
+            assert failures["storage_errors"] > 0
+        elif fault == "hangs":
+            assert failures["storage_timeouts"] > 0
+        else:
+            assert failures["storage_backup_failed_batches"] > 0
+        # Still responsive after the failures: the next round is served and correct.
+        check_same(expected[:1], [engine.serve([r for r in _first_round()])])
+    finally:
+        if isinstance(backend, FaultInjectionWrapper):
+            backend.release_hangs()
+        engine.close()
+
+
+def _first_round():
+    from hicache_core.engine import Request
+
+    return [Request(f"x{c}", list(turns[0]), 3) for c, turns in enumerate(CONVERSATIONS)]
+
+
+def test_attach_and_detach_storage_at_runtime(expected):
+    store = MemoryBackend({"store": f"attach-{uuid.uuid4().hex}"})
+    with Engine(engine_config(CacheTiers.L1_L2)) as engine:
+        engine.attach_storage(store)
+        assert engine.controller.threads_alive
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        detached = engine.detach_storage()
+        assert detached is not None and not engine.controller.threads_alive
+        assert engine.controller._backups_outstanding == 0, "detach drains in-flight backups"
+        assert detached.stats()["put_stored"] > 0
+        assert engine.detach_storage() is None
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        engine.attach_storage(MemoryBackend({"store": store.config.store}))
+        engine.flush_cache()
+        results = engine.serve(_first_round())
+        check_same(expected[:1], [results])
+        assert sum(r.cached_storage for r in results) > 0, "re-attached storage serves the pages written before"
