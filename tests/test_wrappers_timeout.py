@@ -90,6 +90,39 @@ def test_a_hung_write_stores_the_bytes_passed_never_what_the_caller_wrote_afterw
     store.close()
 
 
+def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
+    class HangsWhenAsked(MemoryBackend):
+        hang_next = False
+        release = threading.Event()
+
+        def _get_into(self, keys, targets):
+            if self.hang_next:
+                self.hang_next = False
+                self.release.wait(60)
+            return super()._get_into(keys, targets)
+
+    inner = HangsWhenAsked()
+    store = TimeoutWrapper(inner, {"seconds": SHORT, "workers": 2})
+    pool = store._staging
+    store.put(keys(2), [b"1" * 512, b"2" * 512])
+    assert store.get(keys(1), 512) == [b"1" * 512]
+    (first_buffer,) = pool._free
+
+    inner.hang_next = True
+    with pytest.raises(StorageTimeoutError):
+        store.get(keys(1), 512)
+    # The hung call still owns its buffer: it is not free for anyone else.
+    assert pool._free == []
+    assert store.get(keys(2)[1:], 512) == [b"2" * 512]  # served from a new buffer meanwhile
+    assert all(b is not first_buffer for b in pool._free)
+
+    inner.release.set()
+    assert store.wait_idle(30)
+    assert any(b is first_buffer for b in pool._free) and len(pool._free) == 2
+    assert store.get(keys(2), 512) == [b"1" * 512, b"2" * 512]
+    store.close()
+
+
 def test_when_every_worker_is_stuck_new_calls_time_out_instead_of_queueing():
     store, faults = hanging("get", workers=1)
     store.put(keys(1), [b"p" * 64])
@@ -212,3 +245,12 @@ def _raised(fn, *args):
     except Exception as exc:  # the test inspects it
         return exc
     return None
+
+
+def test_staging_memory_kept_for_reuse_is_bounded():
+    store = TimeoutWrapper(MemoryBackend(), {"seconds": 30, "staging_cache_bytes": 1000})
+    store.put(keys(2), [b"a" * 600, b"b" * 600])
+    assert store.get(keys(1), 600) == [b"a" * 600]
+    assert store.get(keys(2), 600) == [b"a" * 600, b"b" * 600]
+    assert sum(len(b) for b in store._staging._free) <= 1000
+    store.close()

@@ -30,6 +30,10 @@ So the inner backend never sees caller memory:
   to a worker; the inner backend reads only that copy, so a write that lands late stores exactly
   the bytes the caller passed, never what the caller wrote into its buffer afterwards.
 
+Staging buffers are reused between calls (up to ``staging_cache_bytes`` kept), and a buffer goes
+back for reuse only when both its caller and its worker are done with it: a late completion still
+owns its buffer until the inner call returns, so no later call's data can be overwritten either.
+
 The price is one memory copy per page in each direction, so this wrapper declares neither
 ``zero_copy_read`` nor ``zero_copy_write``, and the inner backend's ``register_buffer`` is
 forwarded but cannot speed up I/O that goes through staging buffers.
@@ -67,15 +71,71 @@ class TimeoutConfig(BackendConfig):
     workers: int = pydantic.Field(
         8, ge=1, le=1024, description="worker threads, the most calls in flight (hung ones included)"
     )
+    staging_cache_bytes: int = pydantic.Field(
+        256 * 2**20, ge=0, description="staging memory kept for reuse between calls, in bytes; 0 allocates per call"
+    )
+
+
+class _Staging:
+    """A private buffer lent to one call, viewed as one segment per page.
+
+    Two references, the caller's and the job's; it returns to the pool when both are released,
+    so a buffer a late inner call still writes into is never lent to anyone else.
+    """
+
+    def __init__(self, pool: _StagingPool, buffer: bytearray, sizes: list[int]) -> None:
+        self._pool, self._buffer, self._refs = pool, buffer, 2
+        view, offset = memoryview(buffer), 0
+        self.pages: list[Segments] = []
+        for size in sizes:
+            self.pages.append([view[offset : offset + size]])
+            offset += size
+
+    def release(self) -> None:
+        with self._pool.lock:
+            self._refs -= 1
+            if self._refs:
+                return
+        self._pool.give_back(self._buffer)
+
+
+class _StagingPool:
+    """Free staging buffers, at most ``limit`` bytes of them; thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.lock = threading.Lock()
+        self._limit = limit
+        self._free: list[bytearray] = []
+        self._free_bytes = 0
+
+    def lend(self, pages: list[Segments]) -> _Staging:
+        sizes = [segments_size(segments) for segments in pages]
+        total = sum(sizes)
+        buffer = None
+        with self.lock:
+            # The smallest free buffer that fits, unless it would waste most of itself.
+            fitting = [b for b in self._free if total <= len(b) <= 4 * total]
+            if fitting:
+                buffer = min(fitting, key=len)
+                self._free.remove(buffer)
+                self._free_bytes -= len(buffer)
+        return _Staging(self, buffer if buffer is not None else bytearray(total), sizes)
+
+    def give_back(self, buffer: bytearray) -> None:
+        with self.lock:
+            if buffer and self._free_bytes + len(buffer) <= self._limit:
+                self._free.append(buffer)
+                self._free_bytes += len(buffer)
 
 
 class _Job:
     """One inner call handed to a worker; ``lock`` makes 'finished' and 'abandoned' exclusive."""
 
-    __slots__ = ("fn", "lock", "done", "abandoned", "result", "error")
+    __slots__ = ("fn", "staging", "lock", "done", "abandoned", "result", "error")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], staging: _Staging | None) -> None:
         self.fn = fn
+        self.staging = staging
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.abandoned = False
@@ -99,6 +159,7 @@ class TimeoutWrapper(BackendWrapper):
         self._threads_lock = threading.Lock()
         self._idle = threading.Condition()
         self._in_flight = 0
+        self._staging = _StagingPool(self.config.staging_cache_bytes)
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
         return inner.replace(zero_copy_read=False, zero_copy_write=False)
@@ -109,22 +170,30 @@ class TimeoutWrapper(BackendWrapper):
         return self._call("exists", lambda: super(TimeoutWrapper, self)._exists(keys))
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
-        staged = _staging_for(targets)
-        results = self._call("get", lambda: super(TimeoutWrapper, self)._get_into(keys, staged))
-        # Only here, on the caller's thread and after an in-time finish, do caller buffers change.
-        for hit, target, stage in zip(results, targets, staged):
-            if hit:
-                fill_segments(target, stage[0])
-        return results
+        staging = self._staging.lend(targets)
+        try:
+            staged = staging.pages
+            results = self._call("get", lambda: super(TimeoutWrapper, self)._get_into(keys, staged), staging=staging)
+            # Only here, on the caller's thread and after an in-time finish, do caller buffers change.
+            for hit, target, stage in zip(results, targets, staged):
+                if hit:
+                    fill_segments(target, stage[0])
+            return results
+        finally:
+            staging.release()
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        staged = _staging_for(sources)
-        for source, stage in zip(sources, staged):
-            offset = 0
-            for view in source:
-                stage[0][offset : offset + view.nbytes] = view
-                offset += view.nbytes
-        return self._call("put", lambda: super(TimeoutWrapper, self)._put_from(keys, staged))
+        staging = self._staging.lend(sources)
+        try:
+            staged = staging.pages
+            for source, stage in zip(sources, staged):
+                offset = 0
+                for view in source:
+                    stage[0][offset : offset + view.nbytes] = view
+                    offset += view.nbytes
+            return self._call("put", lambda: super(TimeoutWrapper, self)._put_from(keys, staged), staging=staging)
+        finally:
+            staging.release()
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
         return self._call("delete", lambda: super(TimeoutWrapper, self)._delete(keys))
@@ -166,10 +235,17 @@ class TimeoutWrapper(BackendWrapper):
 
     # --- the runner ---------------------------------------------------------------------------
 
-    def _call(self, operation: str, fn: Callable[[], T], seconds: float | None = None) -> T:
+    def _call(self, operation: str, fn: Callable[[], T], seconds: float | None = None, staging: _Staging | None = None) -> T:
+        """Run ``fn`` on a worker and wait for it at most ``seconds``; ``staging`` goes with the job.
+
+        The job's reference to ``staging`` is released when ``fn`` returns (or when the job is
+        dropped unrun); the caller releases its own after using the results.
+        """
         seconds = self.config.seconds if seconds is None else seconds
         deadline = time.monotonic() + seconds
         if not self._slots.acquire(timeout=seconds):
+            if staging is not None:
+                staging.release()  # the job that would have held it never existed
             self._count(timeout_busy=1, timeouts=1)
             raise StorageTimeoutError(
                 f"no worker became free within {seconds:g}s: all {self.config.workers} workers are still waiting "
@@ -178,7 +254,7 @@ class TimeoutWrapper(BackendWrapper):
                 backend=self.name,
                 operation=operation,
             )
-        job = _Job(fn)
+        job = _Job(fn, staging)
         with self._idle:
             self._in_flight += 1
         self._start_workers()
@@ -230,18 +306,10 @@ class TimeoutWrapper(BackendWrapper):
                         self._count(timeout_late_completions=1)
                         job.result = job.error = None
             finally:
+                if job.staging is not None:
+                    job.staging.release()
                 self._slots.release()
                 with self._idle:
                     self._in_flight -= 1
                     self._idle.notify_all()
 
-
-def _staging_for(pages: list[Segments]) -> list[Segments]:
-    """One private buffer for the whole batch, viewed as one segment per page."""
-    sizes = [segments_size(segments) for segments in pages]
-    arena = memoryview(bytearray(sum(sizes)))
-    staged, offset = [], 0
-    for size in sizes:
-        staged.append([arena[offset : offset + size]])
-        offset += size
-    return staged
