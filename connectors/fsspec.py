@@ -9,10 +9,15 @@ published depends on the filesystem, and the capabilities say what each one give
   still read whole (the open file keeps the old one).
 * **object stores** (``s3://``, ``gs://``, ``az://``...): one object per page, which the store
   publishes atomically; read with one request.
-* **memory://**: one ``pipe`` that swaps an immutable value into fsspec's process-wide dict.
-  Not persistent and not shared across processes.
+* **memory://**: one ``pipe`` that swaps an immutable value into fsspec's process-wide dict
+  (instances with the same URL in one process share it). Not persistent, not shared across
+  processes.
 * anything else: temporary file plus ``mv``, atomic only where that filesystem's ``mv`` is; its
   capabilities claim nothing about persistence or sharing.
+
+A writer that dies between the temporary file and the rename leaves a ``<page>.tmp-<id>`` file:
+never read as a page, removed by ``clear``. Network timeouts are the filesystem's own (for s3fs,
+``storage_options={"config_kwargs": {"connect_timeout": ..., "read_timeout": ...}}``).
 
 A stored length that differs from the target's is a miss. Batches run on a thread pool of
 ``max_concurrency`` workers; every public method is thread-safe. Credentials go in
@@ -176,8 +181,8 @@ class FsspecBackend(StorageBackend):
         temporary = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             self._write_file(temporary, source)
-        except FileNotFoundError:
-            self._fs.makedirs(self._fs._parent(path), exist_ok=True)
+        except FileNotFoundError:  # first page of its directory
+            self._fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             self._write_file(temporary, source)
         try:
             self._fs.mv(temporary, path)

@@ -15,6 +15,10 @@ One object per page, named ``<prefix><namespace>/<shard>/<part>/<page hash>``. C
   :class:`AuthenticationError`, a refused request a :class:`PermissionDeniedError`, throttling a
   :class:`ThrottledError`, an unreachable or failing endpoint a :class:`BackendUnavailableError`
   or :class:`StorageTimeoutError`. A missing key is a miss. Secrets never appear in messages.
+
+The credentials need ``s3:GetObject``, ``s3:PutObject``, ``s3:DeleteObject`` and
+``s3:ListBucket``: without ListBucket, AWS answers a missing key with 403 instead of 404, which
+this connector must report as :class:`PermissionDeniedError`, not as a miss.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -85,6 +90,13 @@ class S3Config(BackendConfig):
         "CRC32", description="S3 checksum sent on writes and checked on reads; null to turn off (CRC32C needs awscrt)"
     )
 
+    @pydantic.field_validator("verify")
+    @classmethod
+    def _ca_bundle_exists(cls, verify: bool | str) -> bool | str:
+        if isinstance(verify, str) and not Path(verify).expanduser().is_file():
+            raise ValueError(f"CA bundle {verify!r} is not a file; give the path of a PEM bundle, or true/false")
+        return verify
+
     @pydantic.field_validator("secret_access_key")
     @classmethod
     def _credentials_come_in_pairs(cls, secret: pydantic.SecretStr | None, info: pydantic.ValidationInfo) -> pydantic.SecretStr | None:
@@ -113,6 +125,7 @@ class S3Backend(StorageBackend):
         try:
             import boto3
             import botocore.config
+            import botocore.exceptions
         except ImportError as exc:
             raise MissingDependencyError("s3", exc.name or "boto3", "s3") from None
         if cfg.checksum_algorithm == "CRC32C":
@@ -122,7 +135,10 @@ class S3Backend(StorageBackend):
             self._prefix += "/"
         self._endpoint = _redact_url(cfg.endpoint_url) if cfg.endpoint_url else "AWS S3"
         self.capabilities = self.capabilities.replace(max_value_size=min(5 << 40, _MAX_PARTS * cfg.multipart_part_size))
-        session = boto3.session.Session(profile_name=cfg.profile)
+        try:
+            session = boto3.session.Session(profile_name=cfg.profile)
+        except botocore.exceptions.ProfileNotFound:
+            raise ConfigError(f"AWS profile {cfg.profile!r} is not in the AWS config files", field="profile", backend=self.name) from None
         client_config = botocore.config.Config(
             s3={"addressing_style": cfg.addressing_style},
             retries={"max_attempts": cfg.max_attempts, "mode": cfg.retry_mode},
@@ -134,16 +150,23 @@ class S3Backend(StorageBackend):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = session.client(
-            "s3",
-            endpoint_url=cfg.endpoint_url,
-            region_name=cfg.region,
-            aws_access_key_id=cfg.access_key_id,
-            aws_secret_access_key=cfg.secret_access_key.get_secret_value() if cfg.secret_access_key else None,
-            aws_session_token=cfg.session_token.get_secret_value() if cfg.session_token else None,
-            verify=cfg.verify,
-            config=client_config,
-        )
+        try:
+            self._client = session.client(
+                "s3",
+                endpoint_url=cfg.endpoint_url,
+                region_name=cfg.region,
+                aws_access_key_id=cfg.access_key_id,
+                aws_secret_access_key=cfg.secret_access_key.get_secret_value() if cfg.secret_access_key else None,
+                aws_session_token=cfg.session_token.get_secret_value() if cfg.session_token else None,
+                verify=cfg.verify,
+                config=client_config,
+            )
+        except ValueError as exc:  # botocore's InvalidEndpoint / InvalidRegion
+            raise ConfigError(
+                f"botocore refused endpoint_url {self._endpoint!r} / region {cfg.region!r}: {type(exc).__name__}",
+                field="endpoint_url",
+                backend=self.name,
+            ) from None
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="hicache-s3")
         try:
             self._check_bucket()

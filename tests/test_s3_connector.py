@@ -285,11 +285,17 @@ def test_secret_never_in_repr_str_or_config_errors(s3, seaweedfs):
     assert secret not in str(caught.value)
 
 
-def test_bad_config_values_are_named():
+def test_bad_config_values_are_named(tmp_path):
     with pytest.raises(ConfigError, match="multipart_part_size"):
         create_backend("s3", {"bucket": "bucket", "multipart_part_size": 1024})
     with pytest.raises(ConfigError, match="bucket"):
         create_backend("s3", {})
+    with pytest.raises(ConfigError, match="verify.*CA bundle"):
+        create_backend("s3", {"bucket": "bucket", "verify": str(tmp_path / "missing.pem")})
+    with pytest.raises(ConfigError, match="endpoint_url"):
+        create_backend("s3", {"bucket": "bucket", "endpoint_url": "not a url"})
+    with pytest.raises(ConfigError, match="no-such-profile"):
+        create_backend("s3", {"bucket": "bucket", "profile": "no-such-profile"})
 
 
 @pytest.mark.parametrize(
