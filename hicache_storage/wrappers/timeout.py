@@ -35,8 +35,11 @@ back for reuse only when both its caller and its worker are done with it: a late
 owns its buffer until the inner call returns, so no later call's data can be overwritten either.
 
 The price is one memory copy per page in each direction, so this wrapper declares neither
-``zero_copy_read`` nor ``zero_copy_write``, and the inner backend's ``register_buffer`` is
-forwarded but cannot speed up I/O that goes through staging buffers.
+``zero_copy_read`` nor ``zero_copy_write``. For the same reason it does not pass
+``register_buffer`` on and declares no ``buffer_registration``: the inner backend never sees the
+caller's memory, so registering (pinning) it there would cost and never help. A store whose own
+client enforces deadlines and moves pages zero-copy from registered memory (Mooncake) keeps
+that path only without this wrapper.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class TimeoutWrapper(BackendWrapper):
         self._staging = _StagingPool(self.config.staging_cache_bytes)
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
-        return inner.replace(zero_copy_read=False, zero_copy_write=False)
+        return inner.replace(zero_copy_read=False, zero_copy_write=False, buffer_registration=False)
 
     # --- hooks --------------------------------------------------------------------------------
 
@@ -203,7 +206,7 @@ class TimeoutWrapper(BackendWrapper):
         self._call("clear", lambda: super(TimeoutWrapper, self)._clear(namespace), seconds)
 
     def _register_buffer(self, view: memoryview) -> None:
-        self._call("register_buffer", lambda: super(TimeoutWrapper, self)._register_buffer(view))
+        """Nothing to do: the inner backend only ever sees staging buffers (module docstring)."""
 
     def _close(self) -> None:
         """Close the inner backend within ``seconds``, then let idle workers exit.
