@@ -254,3 +254,18 @@ def test_staging_memory_kept_for_reuse_is_bounded():
     assert store.get(keys(2), 600) == [b"a" * 600, b"b" * 600]
     assert sum(len(b) for b in store._staging._free) <= 1000
     store.close()
+
+
+def test_a_staging_buffer_is_never_lent_twice_at_once():
+    from hicache_storage.wrappers.timeout import _StagingPool
+
+    pool = _StagingPool(10_000)
+    pages = [[memoryview(bytearray(100))]]
+    first, second = pool.lend(pages), pool.lend(pages)
+    for staging in (first, second):  # both references of each: caller and job
+        staging.release()
+        staging.release()
+    # Two free buffers with equal bytes: lending both must hand out both, not one of them twice.
+    a, b = pool.lend(pages), pool.lend(pages)
+    assert a._buffer is not b._buffer
+    assert pool._free == []

@@ -116,11 +116,11 @@ class _StagingPool:
         total = sum(sizes)
         buffer = None
         with self.lock:
-            # The smallest free buffer that fits, unless it would waste most of itself.
-            fitting = [b for b in self._free if total <= len(b) <= 4 * total]
+            # The smallest free buffer that fits, unless it would waste most of itself. Found by
+            # position, never by equality: two free buffers may hold equal bytes.
+            fitting = [i for i, b in enumerate(self._free) if total <= len(b) <= 4 * total]
             if fitting:
-                buffer = min(fitting, key=len)
-                self._free.remove(buffer)
+                buffer = self._free.pop(min(fitting, key=lambda i: len(self._free[i])))
                 self._free_bytes -= len(buffer)
         return _Staging(self, buffer if buffer is not None else bytearray(total), sizes)
 
