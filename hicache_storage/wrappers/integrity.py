@@ -26,7 +26,9 @@ without this wrapper, and corrupted bytes into misses.
 miss; callers must handle a miss after a positive exists anyway (a page may also be evicted or
 deleted in between). With ``verify_exists`` it reads and checks each page whose size it knows:
 the payload size of each key scope (namespace, shard, part) is learned from the puts and reads
-that pass through this wrapper; keys of a scope not seen yet are answered by the inner ``exists``.
+that pass through this wrapper (the last one seen wins), and a page is then reported only if it
+reads back whole at that size; keys of a scope not seen yet are answered by the inner ``exists``.
+Verifying costs one full read per page, which is why it is off by default.
 
 Writers and readers must agree on the trailer: a store filled through this wrapper reads as all
 misses without it, and the other way round. ``max_value_size`` shrinks by the trailer's size.
