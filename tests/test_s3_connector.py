@@ -415,3 +415,36 @@ class TestS3Conformance(ConformanceTests):
     @pytest.fixture
     def backend_config(self, seaweedfs) -> dict:
         return s3_config(seaweedfs, prefix="conformance/")
+
+
+# --- the test service itself ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_service_retries_on_new_ports_when_a_port_was_taken(monkeypatch):
+    """A port picked as free can be taken before SeaweedFS binds it; start() then tries new ports."""
+    import socket
+
+    import hicache_storage.testing.seaweedfs as service
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        picks: list[int] = []
+
+        def first_s3_port_taken(avoid=()):
+            picks.append(0)
+            return taken if len(picks) == 1 + service._PORT_NAMES.index("s3.port") else free_port(avoid)
+
+        monkeypatch.setattr(service, "free_port", first_s3_port_taken)
+        server = service.SeaweedFS()
+        try:
+            server.start()
+            assert server.s3_port != taken
+            assert "address already in use" in server.log_path.read_text()
+            server.client().head_bucket(Bucket=server.bucket)
+        finally:
+            server.kill()
+            server.stop()
+    assert not server.workdir.exists()

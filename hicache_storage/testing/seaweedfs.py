@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from hicache_storage.testing.process import ServerProcess, ServiceError, free_port, which_or_fail
@@ -100,14 +101,30 @@ class SeaweedFS(ServerProcess):
         """The self-signed certificate the HTTPS endpoint presents; pass it as a client's CA bundle."""
         return self.workdir / "tls" / "cert.pem"
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Start the server on fresh ports and create the default bucket."""
-        chosen: list[int] = []
-        for name in _PORT_NAMES + (("s3.port.https",) if self.tls else ()):
-            chosen.append(free_port(avoid=chosen))
-            self.ports[name] = chosen[-1]
-        self._launch(timeout)
-        self._create_buckets(timeout)
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> None:
+        """Start the server on fresh ports and create the default bucket.
+
+        Free ports are only free when chosen: if another process takes one before SeaweedFS binds
+        it, the server exits, and it is tried again on new ports (``attempts`` times in all).
+        """
+        for attempt in range(1, attempts + 1):
+            chosen: list[int] = []
+            for name in _PORT_NAMES + (("s3.port.https",) if self.tls else ()):
+                chosen.append(free_port(avoid=chosen))
+                self.ports[name] = chosen[-1]
+            try:
+                self._launch(timeout)
+                self._create_buckets(timeout)
+                return
+            except ServiceError:
+                exited = self.process is not None and self.process.poll() is not None
+                if not exited or attempt == attempts:
+                    self.stop(grace=0)
+                    raise  # the error carries the log tail
+                super().stop(grace=0)
+            except BaseException:
+                self.stop(grace=0)
+                raise
 
     def restart(self, timeout: float = 60.0) -> None:
         """Start again after :meth:`kill`, on the same ports and data directory.
@@ -117,16 +134,25 @@ class SeaweedFS(ServerProcess):
         """
         if not self.ports:
             raise ServiceError("restart() needs a server that was started before")
-        self._launch(timeout)
-        client = self.client()
-        self._retry_until(
-            timeout, lambda: client.get_object(Bucket=self._health_bucket, Key=_HEALTH_KEY)["Body"].read(), "read old data"
-        )
+        try:
+            self._launch(timeout)
+            client = self.client()
+            self._retry_until(
+                timeout, lambda: client.get_object(Bucket=self._health_bucket, Key=_HEALTH_KEY)["Body"].read(), "read old data"
+            )
+        except BaseException:
+            self.kill()
+            raise
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds (SeaweedFS takes ~16 s to exit cleanly);
         removes the data directory if this object created it."""
         super().stop(grace)
+        # SeaweedFS puts a unix socket per gRPC port in /tmp, named by port, and leaves it there.
+        for service in ("master", "volume", "filer", "s3"):
+            port = self.ports.get(f"{service}.port.grpc")
+            if port is not None:
+                Path(f"/tmp/seaweedfs-{service}-grpc-{port}.sock").unlink(missing_ok=True)
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -189,6 +215,8 @@ class SeaweedFS(ServerProcess):
             f"-s3.config={identities}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            f"-filer.localSocket={self.workdir / 'filer.sock'}",
+            f"-s3.localSocket={self.workdir / 's3.sock'}",
         ]
         argv += [f"-{name}={port}" for name, port in self.ports.items()]
         if self.tls:
@@ -244,17 +272,24 @@ class SeaweedFS(ServerProcess):
         # The gateway answers before the filer and volume server can take writes; retry briefly.
         # The health object lives in its own bucket so tests see only their own objects.
         client = self.client()
-        self._retry_until(timeout, lambda: client.create_bucket(Bucket=self.bucket), "create bucket")
-        self._retry_until(timeout, lambda: client.create_bucket(Bucket=self._health_bucket), "create bucket")
+
+        def create(bucket: str) -> None:
+            try:
+                client.create_bucket(Bucket=bucket)
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass  # an earlier attempt succeeded but its answer was lost
+
+        self._retry_until(timeout, lambda: create(self.bucket), "create bucket")
+        self._retry_until(timeout, lambda: create(self._health_bucket), "create bucket")
         self._retry_until(
             timeout, lambda: client.put_object(Bucket=self._health_bucket, Key=_HEALTH_KEY, Body=b"ok"), "write"
         )
 
-    def _retry_until(self, timeout: float, action: object, what: str) -> None:
+    def _retry_until(self, timeout: float, action: Callable[[], object], what: str) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                action()  # type: ignore[operator]
+                action()
                 return
             except Exception as exc:  # botocore raises many kinds while the server settles
                 if time.monotonic() > deadline:
