@@ -89,6 +89,18 @@ def test_round_trip_is_exact_and_readable_by_plain_boto3(s3, seaweedfs, scope):
     assert raw_get(seaweedfs, s3, keys[5]) == values[5]
 
 
+def test_objects_are_named_prefix_slash_rendered_key(seaweedfs, scope):
+    store = create_backend("s3", s3_config(seaweedfs, prefix="/no-trailing-slash"))
+    try:
+        key = scope.key(page_hash(11))
+        assert store.put([key], [b"named"]) == [True]
+        listed = seaweedfs.client().list_objects_v2(Bucket=seaweedfs.bucket, Prefix="no-trailing-slash/")
+        assert [item["Key"] for item in listed["Contents"]] == ["no-trailing-slash/" + key.render("/")]
+        store.clear(scope.namespace)
+    finally:
+        store.close()
+
+
 def test_reads_stream_into_multi_segment_targets(s3, scope):
     key = scope.key(page_hash(1))
     k_half, v_half = os.urandom(700_001), os.urandom(300_000)
