@@ -16,7 +16,6 @@ from hicache_storage import (
     BackendUnavailableError,
     ConfigError,
     KeyScope,
-    MissingDependencyError,
     Namespace,
     create_backend,
 )
