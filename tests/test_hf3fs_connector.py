@@ -38,6 +38,7 @@ class TestHF3FSConformance(ConformanceTests):
         return conformance_config(tmp_path / "mount")
 
 
+@pytest.mark.services
 class TestHF3FSRedisIndexConformance(ConformanceTests):
     backend = "hf3fs"
 
@@ -50,7 +51,7 @@ class TestHF3FSRedisIndexConformance(ConformanceTests):
         }
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.services)])
 def index_config(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     """Config keys choosing the slot index: in-process, or in the session's real Redis."""
     if request.param == "local":
@@ -133,9 +134,12 @@ def test_concurrent_readers_during_reuse_never_see_foreign_bytes(
         stop = threading.Event()
 
         def writer() -> None:
-            for round_ in range(15):
+            # at least 15 rounds, and on until the readers have hit 50 times (bounded, not timed)
+            round_ = 0
+            while round_ < 15 or (hits[0] < 50 and round_ < 5000 and not problems):
                 for i, key in enumerate(keys):
                     store.put([key], [page(i)])
+                round_ += 1
             stop.set()
 
         def reader() -> None:
@@ -161,6 +165,7 @@ def test_concurrent_readers_during_reuse_never_see_foreign_bytes(
 # --- sharing ------------------------------------------------------------------------------------
 
 
+@pytest.mark.services
 def test_two_ranks_share_pages_through_redis(tmp_path: Path, redis_server: Any, scope: KeyScope) -> None:
     """MLA: rank 0 writes replicated pages into its files, rank 1 reads them through the shared index."""
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "numjobs": 2, "page_size_bytes": SLOT}
@@ -232,6 +237,7 @@ def test_page_size_is_fixed_by_the_first_write(tmp_path: Path, index_config: dic
             store.put(keys[2:], [bytes(2 * SLOT + 1)])
 
 
+@pytest.mark.services
 def test_shared_index_rejects_another_page_size(tmp_path: Path, redis_server: Any) -> None:
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "metadata_url": redis_server.url}
     common["metadata_prefix"] = f"test:{tmp_path.name}:"
@@ -249,6 +255,7 @@ def test_unreachable_redis_is_named_without_the_password(tmp_path: Path) -> None
     assert "hunter2" not in str(caught.value)
 
 
+@pytest.mark.services
 def test_slot_index_lost_mid_run_is_a_typed_error(tmp_path: Path, scope: KeyScope) -> None:
     from hicache_storage.testing.redis_server import RedisServer
 
