@@ -147,9 +147,13 @@ class Shard:
         return not self.replicated or self.tp_rank == 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KeyScope:
-    """Namespace + shard + part: everything in a key but the page hash. Make keys from it."""
+    """Namespace + shard + part: everything in a key but the page hash. Make keys from it.
+
+    Two scopes are equal when they render the same: a replicated (MLA) shard of TP rank 3 is the
+    same scope as that of TP rank 0, since every rank shares the one copy.
+    """
 
     namespace: Namespace
     shard: Shard = field(default_factory=Shard)
@@ -164,6 +168,12 @@ class KeyScope:
     @cached_property
     def components(self) -> tuple[str, str, str]:
         return (self.namespace.fingerprint, self.shard.token, self.part)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyScope) and self.components == other.components
+
+    def __hash__(self) -> int:
+        return hash(self.components)
 
     def prefix(self, sep: str = "/") -> str:
         """The rendered scope, which every key of this scope starts with (followed by ``sep``)."""

@@ -111,3 +111,11 @@ def test_rendered_keys_are_safe_and_distinct():
     assert key.render(":").count(":") == 3
     assert key == PageKey(scope, "ab" * 32) and hash(key) == hash(PageKey(scope, "ab" * 32))
     assert key != scope.with_part("v").key("ab" * 32)
+
+
+def test_replicated_scopes_of_every_rank_are_one_scope():
+    namespace = Namespace("m", "bf16", 4)
+    rank0 = KeyScope(namespace, Shard(tp_rank=0, tp_size=4, replicated=True)).key("ab" * 32)
+    rank3 = KeyScope(namespace, Shard(tp_rank=3, tp_size=4, replicated=True)).key("ab" * 32)
+    assert rank0 == rank3 and hash(rank0) == hash(rank3) and {rank0: 1}[rank3] == 1
+    assert rank0 != KeyScope(namespace, Shard(tp_rank=3, tp_size=4)).key("ab" * 32)
