@@ -17,6 +17,7 @@ from hicache_storage import (
     ConfigError,
     KeyScope,
     Namespace,
+    StorageTimeoutError,
     create_backend,
 )
 from hicache_storage.conformance import ConformanceTests
@@ -244,6 +245,40 @@ def test_s3_secret_not_in_repr_or_config(seaweedfs):
         assert secret not in repr(store) and secret not in str(store.config) and secret not in repr(store.config)
     finally:
         store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_s3_kill_and_restart(scope):
+    """SIGKILL the store mid-run: typed errors or misses, then the same backend works again."""
+    from hicache_storage.testing.seaweedfs import SeaweedFS
+
+    server = SeaweedFS()
+    server.start()
+    try:
+        store = create_backend("fsspec", s3_config(server))
+        keys = scope.keys([page_hash(i) for i in range(4)])
+        values = [os.urandom(2000) for _ in keys]
+        assert store.put(keys, values) == [True] * 4
+        server.kill()
+        for call in (
+            lambda: store.exists(keys),
+            lambda: store.get(keys, 2000),
+            lambda: store.put(keys[:1], values[:1]),
+            lambda: store.delete(keys[:1]),
+        ):
+            try:
+                results = call()
+            except (BackendUnavailableError, StorageTimeoutError) as exc:
+                assert f"s3://{server.bucket}/" in str(exc)
+            else:
+                assert not any(results), "a dead store cannot report a hit"
+        server.restart()
+        assert store.get(keys, 2000) == values
+        store.close()
+    finally:
+        server.kill()
+        server.stop()
 
 
 # --- the shared suite -----------------------------------------------------------------------------
