@@ -58,7 +58,6 @@ from hicache_storage.errors import (
     CapacityError,
     ConfigError,
     MissingDependencyError,
-    StorageError,
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
@@ -503,7 +502,9 @@ class HF3FSBackend(StorageBackend):
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create the hf3fs root {str(self._root)!r}: {exc.strerror}", field="root", backend=self.name) from None
+            raise ConfigError(
+                f"cannot create the hf3fs root {str(self._root)!r}: {exc.strerror}", field="root", backend=self.name
+            ) from None
         use_usrbio = cfg.io == "usrbio" or (cfg.io == "auto" and usrbio_available())
         if cfg.io == "usrbio" and not usrbio_available():
             raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
@@ -530,7 +531,9 @@ class HF3FSBackend(StorageBackend):
                 backend=self.name,
             )
         if use_usrbio and page_size is None:
-            raise ConfigError("the usrbio path needs page_size_bytes to size its buffers", field="page_size_bytes", backend=self.name)
+            raise ConfigError(
+                "the usrbio path needs page_size_bytes to size its buffers", field="page_size_bytes", backend=self.name
+            )
         if page_size is not None:
             self._set_page_size(page_size)
         self._files = (
@@ -613,7 +616,9 @@ class HF3FSBackend(StorageBackend):
         page_size = self._index.fix_page_size(_aligned(size))
         slots_per_file = cfg.file_size // page_size
         if slots_per_file < 1:
-            raise ConfigError(f"file_size={cfg.file_size} is smaller than one {page_size}-byte slot", field="file_size", backend=self.name)
+            raise ConfigError(
+                f"file_size={cfg.file_size} is smaller than one {page_size}-byte slot", field="file_size", backend=self.name
+            )
         self._index.capacity = slots_per_file * cfg.numjobs
         self.capabilities = self.capabilities.replace(max_value_size=page_size)
         return page_size

@@ -11,12 +11,14 @@ How pages move (checked against ``mooncake-transfer-engine`` 0.3.13):
 
 * Memory announced with :meth:`register_buffer` (the host KV pool) is registered once with the
   transfer engine. A page whose segments all lie in registered memory is read with
-  ``batch_get_into`` / ``batch_get_into_multi_buffers`` straight into the caller's buffers, and a
-  one-segment page is written with ``batch_upsert_from`` straight from them.
+  ``batch_get_into_multi_buffers`` straight into the caller's buffers, and a one-segment page is
+  written with ``batch_upsert_from`` straight from them.
 * Everything else goes through one registered staging buffer (``staging_buffer_size``, which is
   also the declared ``max_value_size``): a copy into it before a write, out of it after a read.
   Multi-segment pages are always written this way, because Mooncake's ``put`` on an existing key
-  keeps the old value and 0.3.13 has no multi-buffer upsert. Hence ``zero_copy_write=False``.
+  keeps the old value and 0.3.13 has no multi-buffer upsert. Hence ``zero_copy_write=False``;
+  store K and V as separate parts (``k``, ``v``) to keep MHA writes zero-copy.
+* Mooncake refuses empty objects: a zero-byte page is reported not stored (``False``).
 * A read is a hit only if the object's length equals the target's (``batch_get_into`` returns
   the bytes read; a larger object is refused by Mooncake with ``INVALID_PARAMS``).
 
@@ -127,13 +129,16 @@ class MooncakeConfig(BackendConfig):
         None, description="host:port of mooncake_master (env MOONCAKE_MASTER); required"
     )
     metadata_server: str = pydantic.Field(
-        "P2PHANDSHAKE", description="transfer-engine metadata: http://host:port/metadata or P2PHANDSHAKE (env MOONCAKE_TE_META_DATA_SERVER)"
+        "P2PHANDSHAKE",
+        description="transfer-engine metadata: http://host:port/metadata or P2PHANDSHAKE (env MOONCAKE_TE_META_DATA_SERVER)",
     )
     local_hostname: str = pydantic.Field(
         "127.0.0.1", description="address other nodes reach this client at (env MOONCAKE_LOCAL_HOSTNAME)"
     )
     global_segment_size: int = pydantic.Field(
-        4 * 2**30, ge=0, description="bytes of memory this client contributes to the cluster; 0 for none (env MOONCAKE_GLOBAL_SEGMENT_SIZE)"
+        4 * 2**30,
+        ge=0,
+        description="bytes of memory this client contributes to the cluster; 0 for none (env MOONCAKE_GLOBAL_SEGMENT_SIZE)",
     )
     local_buffer_size: int = pydantic.Field(
         16 * 2**20, ge=0, description="the transfer engine's own buffer in bytes (env MOONCAKE_LOCAL_BUFFER_SIZE)"

@@ -67,7 +67,8 @@ def scope() -> KeyScope:
 
 def small_store(root: Path, index_config: dict[str, Any], slots: int, **extra: Any) -> HF3FSBackend:
     """A store with exactly ``slots`` slots of 4 KiB (one file)."""
-    return HF3FSBackend({"root": str(root), "file_size": slots * SLOT, "numjobs": 1, "page_size_bytes": SLOT, **index_config, **extra})
+    config = {"root": str(root), "file_size": slots * SLOT, "numjobs": 1, "page_size_bytes": SLOT}
+    return HF3FSBackend({**config, **index_config, **extra})
 
 
 def page(key_number: int, size: int = SLOT) -> bytes:
@@ -104,7 +105,9 @@ def test_overwrite_takes_a_new_slot_and_frees_the_old(tmp_path: Path, index_conf
         assert store.get([a, b], SLOT) == [page(4), page(9)]
 
 
-def test_reader_sees_a_miss_when_its_slot_is_reused_mid_read(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+def test_reader_sees_a_miss_when_its_slot_is_reused_mid_read(
+    tmp_path: Path, index_config: dict[str, Any], scope: KeyScope
+) -> None:
     """Fault injection: another writer takes the slot between the reader's lookup and its read."""
     with small_store(tmp_path / "mount", index_config, slots=1) as store:
         victim, intruder = scope.keys(hashes(2, 3))

@@ -90,7 +90,8 @@ def test_registered_pool_moves_pages_without_staging(store: MooncakeBackend, sco
     assert store.put_from(keys, [pool[i * page : (i + 1) * page] for i in range(4)]) == [True] * 4
     # reads into registered memory, one segment and two segments (K and V halves) per page
     targets = [pool[(4 + i) * page : (5 + i) * page] for i in range(2)]
-    targets += [[pool[(6 + i) * page : (6 + i) * page + 3000], pool[(8 + i) * page : (8 + i) * page + page - 3000]] for i in range(2)]
+    for i in range(2):
+        targets.append([pool[(6 + i) * page : (6 + i) * page + 3000], pool[(8 + i) * page : (9 + i) * page - 3000]])
     assert store.get_into(keys, targets) == [True] * 4
     assert sum(uses) == 0, "registered pages went through the staging buffer"
     for i in range(2):
@@ -173,7 +174,8 @@ CHILD = textwrap.dedent(
         pool = np.zeros(4 * 4096, dtype=np.uint8)
         store.register_buffer(pool)
         read_keys = scope.keys(request["read"])
-        hits = store.get_into(read_keys, [[pool[i * 4096 : i * 4096 + 1000], pool[i * 4096 + 1000 : (i + 1) * 4096]] for i in range(2)])
+        halves = [[pool[i * 4096 : i * 4096 + 1000], pool[i * 4096 + 1000 : (i + 1) * 4096]] for i in range(2)]
+        hits = store.get_into(read_keys, halves)
         pool[2 * 4096 :] = np.frombuffer(bytes.fromhex(request["write_value"]), dtype=np.uint8)
         stored = store.put_from(scope.keys(request["write"]), [pool[(2 + i) * 4096 : (3 + i) * 4096] for i in range(2)])
     json.dump({"hits": hits, "read": bytes(pool[: 2 * 4096]).hex(), "stored": stored}, sys.stdout)
@@ -293,7 +295,9 @@ def test_missing_master_address_is_a_config_error(monkeypatch: pytest.MonkeyPatc
         MooncakeBackend({})
 
 
-@pytest.mark.parametrize(("text", "size"), [("0", 0), ("512MB", 512 * 2**20), ("4gb", 4 * 2**30), ("16 MiB", 16 * 2**20), ("1k", 1024)])
+@pytest.mark.parametrize(
+    ("text", "size"), [("0", 0), ("512MB", 512 * 2**20), ("4gb", 4 * 2**30), ("16 MiB", 16 * 2**20), ("1k", 1024)]
+)
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
 
@@ -302,3 +306,10 @@ def test_bad_size_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="global_segment_size"):
         MooncakeConfig.parse({"master_server_address": "h:1", "global_segment_size": "lots"})
 
+
+
+def test_empty_page_is_reported_not_stored(store: MooncakeBackend, scope: KeyScope) -> None:
+    """Mooncake refuses zero-byte objects; the connector says so per key instead of failing the batch."""
+    empty, full = scope.keys(hashes(2, 10))
+    assert store.put([empty, full], [b"", b"x" * 10]) == [False, True]
+    assert store.exists([empty, full]) == [False, True]
