@@ -620,17 +620,25 @@ class TestCluster:
             backend.delete(keys)
 
     @pytest.mark.slow
-    def test_password_protected_cluster(self, rng: random.Random) -> None:
-        cluster = RedisCluster(nodes=3, password=PASSWORD)
+    def test_tls_cluster_with_password(self, rng: random.Random) -> None:
+        cluster = RedisCluster(nodes=3, password=PASSWORD, tls=True)
         cluster.start()
         try:
-            keys = random_keys(new_scope(), 30, rng)
-            with RedisBackend({"url": cluster.url, "cluster": True, "password": PASSWORD}) as backend:
-                assert backend.put(keys, [b"v"] * 30) == [True] * 30
+            assert cluster.url.startswith("rediss://")
+            scope = new_scope()
+            keys = random_keys(scope, 60, rng)
+            values = [rng.randbytes(200) for _ in keys]
+            config = {"url": cluster.url, "cluster": True, "password": PASSWORD, "ssl_ca_certs": str(cluster.ca_path)}
+            with RedisBackend(config) as backend:
+                assert backend.put(keys, values) == [True] * 60
+                assert backend.get(keys, 200) == values
+                backend.clear(scope.namespace)
+                assert backend.exists(keys) == [False] * 60
                 assert PASSWORD not in repr(backend)
-            for url in (f"redis://:wrong-password@{cluster.nodes[0].address}", cluster.url):
+            wrong = f"rediss://:wrong-password@{cluster.nodes[0].address}"
+            for url in (wrong, cluster.url):
                 with pytest.raises(AuthenticationError) as info:
-                    RedisBackend({"url": url, "cluster": True})
+                    RedisBackend({"url": url, "cluster": True, "ssl_ca_certs": str(cluster.ca_path)})
                 for text in _error_texts(info.value):
                     assert PASSWORD not in text and "wrong-password" not in text
         finally:

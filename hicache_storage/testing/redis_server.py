@@ -186,16 +186,18 @@ class RedisServer(ServerProcess):
 class RedisCluster:
     """A Redis Cluster of ``nodes`` primaries (no replicas), slots split evenly, on 127.0.0.1."""
 
-    def __init__(self, nodes: int = 3, *, password: str | None = None) -> None:
+    def __init__(self, nodes: int = 3, *, password: str | None = None, tls: bool = False) -> None:
         if nodes < 1:
             raise ValueError(f"a cluster needs at least one node, got nodes={nodes}")
         self.host = HOST
         self.password = password
+        self.tls = tls
         taken: list[int] = []
         self.nodes: list[RedisServer] = []
         for _ in range(nodes):
             bus = free_port(avoid=taken)
-            node = RedisServer(password=password, cluster_bus_port=bus)
+            extra = ["tls-cluster yes"] if tls else []
+            node = RedisServer(password=password, tls=tls, cluster_bus_port=bus, extra_config=extra)
             while node.port in taken or node.port == bus:
                 node.port = free_port(avoid=[*taken, bus])
             taken += [bus, node.port]
@@ -212,13 +214,23 @@ class RedisCluster:
     @property
     def url(self) -> str:
         """A URL naming the first node; a cluster client discovers the others from it."""
-        return f"redis://{self.host}:{self.port}/0"
+        return self.nodes[0].url
+
+    @property
+    def ca_path(self) -> Path | None:
+        """The CA that signed every node's certificate (with ``tls=True``)."""
+        return self.nodes[0].ca_path
 
     @property
     def startup_nodes(self) -> list[str]:
         return [node.address for node in self.nodes]
 
     def start(self, timeout: float = 30.0) -> None:
+        if self.tls:  # one CA and certificate for every node, so a client trusts them all
+            _make_certificates(self.nodes[0].workdir)
+            for node in self.nodes[1:]:
+                for name in ("ca.crt", "server.crt", "server.key"):
+                    shutil.copy2(self.nodes[0].workdir / name, node.workdir / name)
         for node in self.nodes:
             node.start()
         try:
