@@ -54,10 +54,14 @@ from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
+    AuthenticationError,
     BackendUnavailableError,
     CapacityError,
     ConfigError,
     MissingDependencyError,
+    PermissionDeniedError,
+    StorageError,
+    StorageTimeoutError,
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
@@ -508,7 +512,7 @@ class HF3FSBackend(StorageBackend):
         use_usrbio = cfg.io == "usrbio" or (cfg.io == "auto" and usrbio_available())
         if cfg.io == "usrbio" and not usrbio_available():
             raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
-        self._index_errors = _redis_errors() if cfg.metadata_url is not None else ()
+        self._index_error = _redis_error_base() if cfg.metadata_url is not None else None
         if cfg.metadata_url is None:
             self._index: LocalSlotIndex | RedisSlotIndex = _open_local_index(self._root, cfg.rank)
         else:
@@ -641,15 +645,13 @@ class HF3FSBackend(StorageBackend):
         return list(self._pool.map(one, items))
 
     def _guard(self, call: Any, operation: str) -> Any:
-        """Run a slot-index call; a lost Redis connection becomes ``BackendUnavailableError``."""
+        """Run a slot-index call, turning Redis errors into typed errors that name the server, never its password."""
+        if self._index_error is None:
+            return call()
         try:
             return call()
-        except self._index_errors as exc:
-            raise BackendUnavailableError(
-                f"the hf3fs slot index in Redis at {_redacted(self.config.metadata_url)} is unreachable: {type(exc).__name__}",
-                backend=self.name,
-                operation=operation,
-            ) from None
+        except self._index_error as exc:
+            raise _typed_redis_error(exc, _redacted(self.config.metadata_url), operation) from None
 
 
 # In-process indexes, one per (root, rank), shared by the instances of this process that open
@@ -696,12 +698,29 @@ def _aligned(size: int) -> int:
     return -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
-def _redis_errors() -> tuple[type[BaseException], ...]:
+def _redis_error_base() -> type[BaseException]:
     try:
         import redis
-    except ImportError:
-        return ()
-    return (redis.ConnectionError, redis.TimeoutError)
+    except ImportError as exc:
+        raise MissingDependencyError("hf3fs", "redis", "hf3fs") from exc
+    return redis.RedisError
+
+
+def _typed_redis_error(exc: BaseException, where: str, operation: str) -> StorageError:
+    import redis
+
+    what = f"the hf3fs slot index in Redis at {where}"
+    if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: test it first
+        kind, message = AuthenticationError, f"{what} rejected the credentials in metadata_url"
+    elif isinstance(exc, redis.exceptions.NoPermissionError):
+        kind, message = PermissionDeniedError, f"{what} refused a command to this user (ACL): {type(exc).__name__}"
+    elif isinstance(exc, redis.TimeoutError):
+        kind, message = StorageTimeoutError, f"{what} did not answer in time"
+    elif isinstance(exc, redis.ConnectionError):
+        kind, message = BackendUnavailableError, f"{what} is unreachable: {type(exc).__name__}"
+    else:
+        kind, message = StorageError, f"{what} failed: {type(exc).__name__}"
+    return kind(message, backend="hf3fs", operation=operation)
 
 
 def _redacted(url: pydantic.SecretStr | None) -> str:
