@@ -109,11 +109,14 @@ class MooncakeMaster(ServerProcess):
         super().__init__("mooncake-master", workdir)
         self.lease_ttl_ms = lease_ttl_ms
         self.node_segment_bytes = node_segment_bytes
+        self._pick_ports()
+        self.node = ServerProcess("mooncake-node", self.workdir)
+
+    def _pick_ports(self) -> None:
         self.rpc_port = free_port()
         self.metadata_port = free_port(avoid=[self.rpc_port])
         self.metrics_port = free_port(avoid=[self.rpc_port, self.metadata_port])
         self.node_port = free_port(avoid=[self.rpc_port, self.metadata_port, self.metrics_port])
-        self.node = ServerProcess("mooncake-node", self.workdir)
 
     @property
     def master_server_addr(self) -> str:
@@ -141,16 +144,24 @@ class MooncakeMaster(ServerProcess):
         """The environment a client subprocess needs (this process's, plus :data:`CLIENT_ENV`)."""
         return {**os.environ, **CLIENT_ENV}
 
-    def start(self) -> None:
-        """Start the master and the storage node; return once the node's segment is mounted."""
-        try:
-            self._start_master()
-            if not self.node.running():
-                self._start_node()
-            self._wait_mounted()
-        except ServiceError:
-            self.stop()
-            raise
+    def start(self, attempts: int = 3) -> None:
+        """Start the master and the storage node; return once the node's segment is mounted.
+
+        A free port can be taken by another process between choosing and binding it; a failed
+        start is retried on new ports (``restart`` keeps its ports and does not retry).
+        """
+        for attempt in range(attempts):
+            try:
+                self._start_master()
+                if not self.node.running():
+                    self._start_node()
+                self._wait_mounted()
+                return
+            except ServiceError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+                self._pick_ports()
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop the node first (it unmounts through the master), then the master. Safe to call twice."""
