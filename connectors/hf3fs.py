@@ -2,8 +2,9 @@
 
 **Not tested against 3FS.** No 3FS cluster or client could run where this was written (the
 usrbio binding does not build there). The POSIX path was tested on a local directory standing
-in for the mount; the usrbio path is written against the ``hf3fs_fuse.io`` API as SGLang uses it
-and has never run. 3FS presents itself as a POSIX file system, which is what the POSIX path uses.
+in for the mount. The usrbio path is written against the ``hf3fs_fuse.io`` API as SGLang uses it;
+only its glue was tested, against a stand-in binding doing plain file I/O, never against 3FS.
+3FS presents itself as a POSIX file system, which is what the POSIX path uses.
 
 Layout: rank ``r`` owns ``numjobs`` files ``<root>/rank<r>.<j>.data``, each ``file_size`` bytes
 (created sparse with ``ftruncate``), cut into slots of ``page_size_bytes`` (from the config, or
@@ -400,7 +401,8 @@ def _advance(views: list[memoryview], count: int) -> list[memoryview]:
 class UsrbioFiles(PosixFiles):
     """3FS's usrbio rings (``hf3fs_fuse.io``): I/O through a registered shared-memory bounce buffer.
 
-    Never run: no 3FS client was available where this was written. Follows the API as SGLang's
+    Never run against 3FS (no client was available); tested only against a stand-in binding.
+    Follows the API as SGLang's
     ``hf3fs_usrbio_client`` uses it: ``register_fd``, ``make_iovec`` over a ``SharedMemory``,
     ``make_ioring(mount, entries, for_read, timeout, numa)``, ``prepare`` / ``submit().wait``.
     One read ring and one write ring, each serialized by a lock.
@@ -464,7 +466,9 @@ class UsrbioFiles(PosixFiles):
             for fd in self._registered:
                 self._usrbio.deregister_fd(fd)
             self._registered.clear()
-        for shm, *_ in self._rings.values():
+        shms = [shm for shm, *_ in self._rings.values()]
+        self._rings.clear()  # drop the rings and iovecs first: they hold views of the shared memory
+        for shm in shms:
             shm.close()
         super().close()
 
@@ -631,7 +635,12 @@ class HF3FSBackend(StorageBackend):
         if not items:
             return []
         if isinstance(self._files, UsrbioFiles):
-            return self._guard(lambda: self._files.batch(for_read, items), "get" if for_read else "put")
+            try:
+                return self._files.batch(for_read, items)
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                raise BackendUnavailableError(
+                    f"3FS usrbio I/O under {str(self._root)!r} failed: {exc}", backend=self.name
+                ) from exc
         move = self._files.read if for_read else self._files.write
 
         def one(item: tuple[Location, Segments]) -> bool:

@@ -305,3 +305,114 @@ def _no_leftover_local_indexes() -> Iterator[None]:
 
     yield
     assert not hf3fs._LOCAL_INDEXES, "a test left an hf3fs instance open"
+
+
+# --- the usrbio glue ----------------------------------------------------------------------------
+
+STAND_IN_BINDING = '''
+"""A stand-in for 3FS's hf3fs_fuse.io, with the calls the connector makes, doing plain file I/O.
+
+It checks how the connector drives the API (registered fds, ring direction, batch sizes); it
+says nothing about 3FS itself.
+"""
+import os
+
+registered = set()
+calls = {"prepare": 0, "submit": 0}
+
+
+def extract_mount_point(path):
+    return "/"
+
+
+def register_fd(fd):
+    registered.add(fd)
+
+
+def deregister_fd(fd):
+    registered.discard(fd)
+
+
+class _IoVec:
+    def __init__(self, shm):
+        self.buf = shm.buf
+
+    def __getitem__(self, span):
+        return self.buf[span]
+
+
+def make_iovec(shm, mount_point, block_size=0, numa=-1):
+    return _IoVec(shm)
+
+
+class _Result:
+    def __init__(self, result):
+        self.result = result
+
+
+class _Ring:
+    def __init__(self, entries, for_read):
+        self.entries, self.for_read, self.pending = entries, for_read, []
+
+    def prepare(self, iov, read, fd, offset, userdata=None):
+        assert read == self.for_read, "an I/O was prepared on the ring of the other direction"
+        assert fd in registered, "an I/O was prepared on an fd that was not registered"
+        assert len(self.pending) < self.entries, "more I/Os prepared than the ring has entries"
+        calls["prepare"] += 1
+        self.pending.append((iov, fd, offset))
+
+    def submit(self):
+        calls["submit"] += 1
+        return self
+
+    def wait(self, min_results, timeout):
+        assert min_results == len(self.pending)
+        move = os.preadv if self.for_read else os.pwritev
+        done = [_Result(move(fd, [iov], offset)) for iov, fd, offset in self.pending]
+        self.pending = []
+        return done
+
+
+def make_ioring(mount_point, entries, for_read, timeout, numa):
+    return _Ring(entries, for_read)
+'''
+
+
+class TestHF3FSUsrbioGlue(ConformanceTests):
+    """The connector's usrbio code path, run against a stand-in binding that does plain file I/O.
+
+    No 3FS client exists here, so this exercises only the connector's side of the usrbio API
+    (shared-memory staging, ring batching, fd registration). It does not show that 3FS works.
+    """
+
+    backend = "hf3fs"
+
+    @pytest.fixture(autouse=True)
+    def stand_in_binding(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+        package = tmp_path / "binding" / "hf3fs_fuse"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "io.py").write_text(STAND_IN_BINDING)
+        monkeypatch.syspath_prepend(str(package.parent))
+        for name in ("hf3fs_fuse", "hf3fs_fuse.io"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        import hf3fs_fuse.io as binding
+
+        yield binding
+        for name in ("hf3fs_fuse", "hf3fs_fuse.io"):
+            sys.modules.pop(name, None)
+
+    @pytest.fixture
+    def backend_config(self, tmp_path: Path) -> dict[str, Any]:
+        return {**conformance_config(tmp_path / "mount"), "io": "usrbio", "usrbio_entries": 8}
+
+    def test_usrbio_path_is_the_one_used(self, store: HF3FSBackend, scope: KeyScope, stand_in_binding: Any) -> None:
+        from hicache_storage.connectors.hf3fs import UsrbioFiles
+
+        assert isinstance(store._files, UsrbioFiles)
+        assert not store.capabilities.zero_copy_read and not store.capabilities.zero_copy_write
+        keys = scope.keys(hashes(20, 11))
+        assert store.put(keys, [page(i) for i in range(20)]) == [True] * 20
+        assert store.get(keys, SLOT) == [page(i) for i in range(20)]
+        assert stand_in_binding.calls["prepare"] == 40
+        assert stand_in_binding.calls["submit"] == 6  # 20 pages in rings of 8 entries: 3 per direction
