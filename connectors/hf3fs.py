@@ -156,12 +156,14 @@ class LocalSlotIndex:
                 taken.append((slot, generation))
         return taken
 
-    def publish(self, name: str, location: Location) -> None:
+    def publish(self, pages: list[tuple[str, Location]]) -> None:
+        """Point each name at its freshly written slot, in order; a replaced slot is freed."""
         with self._lock:
-            old = self._pages.pop(name, None)
-            self._pages[name] = location
-            if old is not None and old.slot != location.slot:
-                self._free.append(old.slot)
+            for name, location in pages:
+                old = self._pages.pop(name, None)
+                self._pages[name] = location
+                if old is not None and old.slot != location.slot:
+                    self._free.append(old.slot)
 
     def release(self, slots: list[int]) -> None:
         with self._lock:
@@ -290,8 +292,13 @@ class RedisSlotIndex:
         taken = self._reserve(keys=keys, args=[self.capacity, count, self.prefix + "k:"])
         return [(int(slot), int(generation)) for slot, generation in taken]
 
-    def publish(self, name: str, location: Location) -> None:
-        self._publish(keys=[self._key(name)], args=[location.encode(), time.time(), name, self.prefix])
+    def publish(self, pages: list[tuple[str, Location]]) -> None:
+        """One pipelined round trip; each page's script is atomic, and they run in order."""
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        for name, location in pages:
+            self._publish(keys=[self._key(name)], args=[location.encode(), now, name, self.prefix], client=pipe)
+        pipe.execute()
 
     def release(self, slots: list[int]) -> None:
         if slots:
@@ -594,15 +601,13 @@ class HF3FSBackend(StorageBackend):
             for (slot, generation), size in zip(slots, sizes)
         ]
         written = self._transfer(False, list(zip(locations, sources)))
-        results = [False] * len(keys)
+        stored = [(keys[i].render("/"), loc) for i, (loc, ok) in enumerate(zip(locations, written)) if ok]
+        self._guard(lambda: self._index.publish(stored), "put")
         failed = [loc.slot for loc, ok in zip(locations, written) if not ok]
-        for i, (loc, ok) in enumerate(zip(locations, written)):
-            if ok:
-                self._guard(lambda: self._index.publish(keys[i].render("/"), loc), "put")
-                results[i] = True
         if failed:
             self._guard(lambda: self._index.release(failed), "put")
-        return results  # keys beyond the slots we got (all others in use) stay False
+        # keys beyond the slots we got (every other slot is being written) stay False
+        return [i < len(written) and written[i] for i in range(len(keys))]
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
         return self._guard(lambda: self._index.remove([k.render("/") for k in keys]), "delete")
