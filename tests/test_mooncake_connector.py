@@ -160,6 +160,15 @@ def test_delete_waits_out_a_read_lease(tmp_path: Any, scope: KeyScope) -> None:
         master.stop()
 
 
+def test_clear_waits_out_this_clients_own_read_leases(store: MooncakeBackend, scope: KeyScope) -> None:
+    keys = [scope.key(h) for h in hashes(3, 12)] + [scope.with_part("v").key(hashes(1, 13)[0])]
+    assert store.put(keys, [b"p" * 128] * 4) == [True] * 4
+    assert store.exists(keys) == [True] * 4  # every page now holds a read lease
+    assert store.get(keys[:2], 128) == [b"p" * 128] * 2
+    store.clear(scope.namespace)
+    assert store.exists(keys) == [False] * 4
+
+
 # --- two client processes -----------------------------------------------------------------------
 
 CHILD = textwrap.dedent(
