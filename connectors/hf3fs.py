@@ -82,7 +82,8 @@ class HF3FSConfig(BackendConfig):
         None, description="redis://... to share the slot index between instances and ranks; omit for in-process"
     )
     metadata_prefix: str | None = pydantic.Field(
-        None, description="Redis key prefix of the index; defaults to one derived from root"
+        None,
+        description="Redis key prefix of the index; defaults to one derived from root (set it when hosts mount 3FS at different paths)",
     )
     io: Literal["auto", "usrbio", "posix"] = pydantic.Field(
         "auto", description="usrbio (the hf3fs_fuse.io ring API) or posix reads/writes; auto picks usrbio when importable"
