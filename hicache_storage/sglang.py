@@ -139,8 +139,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
             )
         self.model = model
         # The TP-sharded identity of this rank, and the one its KV keys use: MLA KV is the same on
-        # every TP rank, so its keys carry no TP rank (one Shard object for all ranks, so
-        # connectors that compare key objects agree with those that compare rendered keys).
+        # every TP rank, so its shard is replicated (keys carry no TP rank).
         self.tp_shard = Shard(
             tp_rank=storage_config.tp_rank,
             tp_size=storage_config.tp_size,
@@ -149,8 +148,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
             cp_rank=storage_config.attn_cp_rank,
             cp_size=storage_config.attn_cp_size,
         )
-        mla = storage_config.is_mla_model
-        self.shard = replace(self.tp_shard, tp_rank=0, tp_size=1, replicated=True) if mla else self.tp_shard
+        self.shard = replace(self.tp_shard, replicated=storage_config.is_mla_model)
         #: SGLang's own rule: MLA ranks share one writer (TP rank 0), MHA ranks all write.
         self.is_writer = bool(storage_config.is_storage_writer)
         backend = create_backend(self.config.connector, self.config.connector_config)
