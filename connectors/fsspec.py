@@ -38,6 +38,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
+from hicache_storage.connectors.s3 import LOG_REDACTOR
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -107,10 +108,15 @@ class FsspecBackend(StorageBackend):
             options.setdefault("use_listings_cache", False)
         else:
             self._kind = "other"
-        options.update({name: secret.get_secret_value() for name, secret in cfg.secret_storage_options.items()})
+        secrets = {name: secret.get_secret_value() for name, secret in cfg.secret_storage_options.items()}
+        options.update(secrets)
+        # s3fs and friends log signed headers (a session token among them) at DEBUG.
+        self._log_secrets = [value for value in secrets.values() if isinstance(value, str)]
+        LOG_REDACTOR.add(self._log_secrets)
         try:
             self._fs, root = url_to_fs(cfg.url, **options)
         except (TypeError, ValueError) as exc:
+            LOG_REDACTOR.remove(self._log_secrets)
             raise ConfigError(
                 f"fsspec cannot open {self._where!r} with these storage_options ({type(exc).__name__})",
                 field="storage_options",
@@ -121,7 +127,7 @@ class FsspecBackend(StorageBackend):
         try:
             self._check_root()
         except BaseException:
-            self._pool.shutdown()
+            self._close()
             raise
 
     # --- hooks --------------------------------------------------------------------------------
@@ -151,6 +157,7 @@ class FsspecBackend(StorageBackend):
 
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
+        LOG_REDACTOR.remove(self._log_secrets)
 
     def __repr__(self) -> str:
         return f"<FsspecBackend url={self._where!r} kind={self._kind}>"

@@ -26,7 +26,9 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import threading
 import zlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -167,6 +169,9 @@ class S3Backend(StorageBackend):
                 field="endpoint_url",
                 backend=self.name,
             ) from None
+        # botocore's debug log prints the session token (a signed header); keep it out.
+        self._log_secrets = [secret.get_secret_value() for secret in (cfg.secret_access_key, cfg.session_token) if secret]
+        LOG_REDACTOR.add(self._log_secrets)
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="hicache-s3")
         try:
             self._check_bucket()
@@ -206,6 +211,7 @@ class S3Backend(StorageBackend):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
+        LOG_REDACTOR.remove(self._log_secrets)
 
     def __repr__(self) -> str:
         return f"<S3Backend endpoint={self._endpoint!r} bucket={self.config.bucket!r} prefix={self._prefix!r}>"
@@ -473,6 +479,50 @@ def _crc32c_function() -> Callable[[Any, int], int]:
     except ImportError:
         raise MissingDependencyError("s3", "awscrt", None) from None
     return checksums.crc32c
+
+
+# --- secrets in client logs ---------------------------------------------------------------------
+
+
+class LogRedactor(logging.Filter):
+    """Replaces registered secrets in the records of the AWS clients' debug loggers.
+
+    botocore logs each canonical request and request headers at DEBUG, and those include the
+    session token. Connectors register their secrets while open; records are rewritten only
+    when one actually appears, and only if DEBUG is on for those loggers.
+    """
+
+    LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._secrets: Counter[str] = Counter()
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def add(self, secrets: Sequence[str]) -> None:
+        with self._lock:
+            self._secrets.update(secret for secret in secrets if len(secret) >= 4)
+
+    def remove(self, secrets: Sequence[str]) -> None:
+        with self._lock:
+            self._secrets.subtract(secret for secret in secrets if len(secret) >= 4)
+            self._secrets = +self._secrets  # drop the ones no open connector uses any more
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        secrets = list(self._secrets)
+        if secrets:
+            message = record.getMessage()
+            redacted = message
+            for secret in secrets:
+                redacted = redacted.replace(secret, "<redacted>")
+            if redacted != message:
+                record.msg, record.args = redacted, None
+        return True
+
+
+LOG_REDACTOR = LogRedactor()
 
 
 # --- errors --------------------------------------------------------------------------------------

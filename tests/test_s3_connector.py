@@ -284,6 +284,19 @@ def test_unreachable_endpoint_names_the_endpoint(seaweedfs):
     assert "url-password" not in str(caught.value)
 
 
+def test_session_token_and_secret_stay_out_of_botocore_debug_logs(seaweedfs, caplog):
+    """botocore logs signed headers at DEBUG, the session token among them; the connector redacts it."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    token = "session-token-" + uuid.uuid4().hex
+    with pytest.raises(AuthenticationError):  # SeaweedFS accepts no session tokens
+        create_backend("s3", s3_config(seaweedfs, session_token=token))
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "x-amz-security-token" in logged.lower(), "botocore logged the signed headers"
+    assert token not in logged and seaweedfs.secret_key not in logged
+
+
 def test_secret_never_in_repr_str_or_config_errors(s3, seaweedfs):
     secret = seaweedfs.secret_key
     assert secret not in repr(s3)
