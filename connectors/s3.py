@@ -89,7 +89,9 @@ class S3Config(BackendConfig):
     )
     multipart_part_size: int = pydantic.Field(16 * MiB, ge=_MIN_PART, description="bytes per multipart part (>= 5 MiB)")
     checksum_algorithm: Literal["CRC32", "CRC32C"] | None = pydantic.Field(
-        "CRC32", description="S3 checksum sent on writes and checked on reads; null to turn off (CRC32C needs awscrt)"
+        "CRC32",
+        description="S3 checksum sent on writes (multipart: full-object) and checked on reads; null for stores "
+        "that reject S3 checksums (CRC32C needs awscrt)",
     )
 
     @pydantic.field_validator("verify")
