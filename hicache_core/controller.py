@@ -215,10 +215,6 @@ class CacheController:
         """Whether copies or backups are in flight (their completion may make memory evictable)."""
         return bool(self._pending_writes) or self._backups_outstanding > 0
 
-    @property
-    def storage_writer(self) -> bool:
-        return self.storage is not None and self.scope is not None and self.scope.shard.is_writer
-
     # --- device and host memory ---------------------------------------------------------------
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
@@ -295,9 +291,10 @@ class CacheController:
             self._queue_storage_backup(pending.node)
 
     def _queue_storage_backup(self, node: TreeNode) -> None:
-        if not self.storage_writer or node.host_value is None:
-            if self.config.buffer_only and self.storage is not None:
-                self._drop_staging(node)
+        """Queue ``node``'s host pages for storage. A rank that does not write (replicated MLA KV)
+        queues an empty operation anyway: every rank must protect and release the same host pages
+        at the same agreed points, or their trees would diverge."""
+        if self.storage is None or node.host_value is None:
             return
         op = _BackupOp(node, list(node.page_hashes), node.host_value.clone())
         self.tree.protect_host(node)
@@ -323,6 +320,8 @@ class CacheController:
 
     def _run_backup(self, backend: StorageBackend, op: _BackupOp) -> None:
         assert self.scope is not None and self.host is not None
+        if not self.scope.shard.is_writer:
+            return
         started = time.perf_counter()
         keys = self.scope.keys(op.hashes)
         present = self._guarded(lambda: backend.prefix_exists(keys), 0, "exists")

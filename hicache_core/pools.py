@@ -81,6 +81,11 @@ class PageAllocator:
     free pages (never a partial allocation). A page with I/O in flight is *pinned*
     (:meth:`pin_io`); freeing it only marks it, and it returns to the free list when the last pin
     is released, so no page is reused while a transfer may still read or write it.
+
+    A freed page still under I/O counts as free (``free_pages``): when ``alloc`` needs it, it
+    waits for the I/O to end (storage calls are bounded by the controller's timeout). Counting
+    it keeps every decision that depends on free space independent of I/O timing, which is what
+    keeps tensor-parallel ranks' trees identical.
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -88,7 +93,7 @@ class PageAllocator:
             raise ValueError(f"need num_pages >= 0 and page_size > 0, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._free: deque[int] = deque(range(num_pages))
         self._allocated = bytearray(num_pages)
         self._pins: dict[int, int] = {}
@@ -97,6 +102,13 @@ class PageAllocator:
 
     @property
     def free_pages(self) -> int:
+        """Pages free now or as soon as their in-flight I/O ends."""
+        with self._lock:
+            return len(self._free) + len(self._free_when_unpinned)
+
+    @property
+    def idle_pages(self) -> int:
+        """Pages that can be handed out without waiting."""
         with self._lock:
             return len(self._free)
 
@@ -109,8 +121,9 @@ class PageAllocator:
         """Slots of ``ceil(num_tokens / page_size)`` fresh pages, or ``None`` if that many are not free."""
         count = -(-num_tokens // self.page_size)
         with self._lock:
-            if count > len(self._free):
+            if count > len(self._free) + len(self._free_when_unpinned):
                 return None
+            self._lock.wait_for(lambda: count <= len(self._free))
             pages = [self._free.popleft() for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
@@ -148,6 +161,7 @@ class PageAllocator:
                     self._free_when_unpinned.discard(page)
                     self._allocated[page] = 0
                     self._free.append(page)
+                    self._lock.notify_all()
 
     def is_pinned(self, slots: torch.Tensor) -> bool:
         with self._lock:

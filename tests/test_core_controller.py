@@ -166,12 +166,14 @@ def test_host_pages_under_a_hung_read_are_never_reused():
         read_pages = set(op.host_indices.tolist())
         assert controller.prefetch_ready(op), "best effort stops waiting at once"
         assert controller.finish_prefetch(op) == 0
-        taken = controller.host.allocator.alloc(controller.host.allocator.free_pages * 2)
+        allocator = controller.host.allocator
+        assert allocator.idle_pages == 6 - len(read_pages) // 2
+        taken = allocator.alloc(allocator.idle_pages * 2)
         assert taken is not None and not read_pages & set(taken.tolist()), "a page being read into was handed out"
-        controller.host.allocator.free(taken)
+        allocator.free(taken)
         backend.get_gate.set()
         op.done.wait()
-        assert controller.host.allocator.free_pages == 6, "the pages come back once the read returned"
+        assert allocator.idle_pages == 6, "the pages come back once the read returned"
     finally:
         backend.get_gate.set()
         controller.close()

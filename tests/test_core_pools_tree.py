@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,13 +38,19 @@ def test_pinned_page_is_not_reused_until_io_finishes():
     slots = alloc.alloc(4)
     alloc.pin_io(slots[:2])
     alloc.free(slots)
-    assert alloc.free_pages == 1, "the page with I/O in flight must not return to the free list"
+    assert alloc.idle_pages == 1, "the page with I/O in flight must not return to the free list"
+    assert alloc.free_pages == 2, "but it counts as free, so decisions do not depend on I/O timing"
     again = alloc.alloc(2)
     assert again is not None and set(again.tolist()) == set(slots[2:].tolist())
-    assert alloc.alloc(2) is None
+    assert alloc.alloc(4) is None, "more than will ever be free: refused at once"
+    got: list[torch.Tensor] = []
+    waiter = threading.Thread(target=lambda: got.append(alloc.alloc(2)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got, "the allocation waits for the I/O instead of reusing the page"
     alloc.unpin_io(slots[:2])
-    assert alloc.free_pages == 1
-    assert set(alloc.alloc(2).tolist()) == set(slots[:2].tolist())
+    waiter.join()
+    assert set(got[0].tolist()) == set(slots[:2].tolist())
 
 
 # --- host pool ----------------------------------------------------------------------------------

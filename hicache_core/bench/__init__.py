@@ -1,0 +1,1 @@
+"""The multi-turn benchmark behind `hicache-storage bench`: workload, runner, report."""

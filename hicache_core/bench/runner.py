@@ -1,0 +1,211 @@
+"""Run one multi-turn workload under several tier configurations, side by side, in one process.
+
+Each configuration gets a fresh engine (and, for the default file backend, an empty store), the
+same questions and the same compute, so the only difference between L1, L1+L2 and L1+L2+L3 is
+where a prefix's KV can come back from. Metrics follow SGLang's benchmark: cache hit rate =
+cached / prompt tokens; input throughput = prompt tokens / wall time (cached tokens count).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from hicache_core.bench.workload import Served, Workload, run_workload
+from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
+from hicache_core.engine import CacheTiers, Engine, EngineConfig
+from hicache_core.model import ModelConfig, ModeledCompute
+
+#: The modeled GPU: an NVIDIA L4 (24 GB) serving a Llama-3.1-8B-shaped model in bf16.
+#: Prefill: 8B params x 2 FLOP/token = 16 GFLOP/token; L4 dense bf16 ~121 TFLOP/s at ~50% MFU
+#: gives ~3,800 tokens/s. Decode: one step reads the 16 GB of weights at ~300 GB/s: ~55 ms.
+L4_PREFILL_TOKENS_PER_S = 3_800.0
+L4_DECODE_STEP_S = 0.055
+#: Llama-3.1-8B's KV shape: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token.
+LLAMA8B_LAYERS, LLAMA8B_KV_HEADS, LLAMA8B_HEAD_DIM = 32, 8, 128
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TIER_CHOICES = {tier.value: tier for tier in CacheTiers}
+
+
+@dataclass
+class BenchConfig:
+    workload: Workload = field(default_factory=Workload)
+    tiers: Sequence[CacheTiers] = (CacheTiers.L1, CacheTiers.L1_L2, CacheTiers.L1_L2_L3)
+    #: ``reference``: the real tiny model; ``modeled``: compute replaced by its modeled cost.
+    model: str = "modeled"
+    prefill_tokens_per_s: float = L4_PREFILL_TOKENS_PER_S
+    decode_step_s: float = L4_DECODE_STEP_S
+    layers: int = LLAMA8B_LAYERS
+    kv_heads: int = LLAMA8B_KV_HEADS
+    head_dim: int = LLAMA8B_HEAD_DIM
+    dtype: str = "bfloat16"
+    page_size: int = 64
+    #: Device (L1) capacity in tokens; the host pool (L2) is ``host_ratio`` times that.
+    device_tokens: int = 4096
+    host_ratio: float = 2.0
+    layout: str = "page_first"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
+    prefetch_threshold: int = 256
+    #: L3 backend; ``None`` is the embedded default: the file connector in a temporary directory.
+    backend: str | None = None
+    backend_config: dict[str, Any] | None = None
+
+    def engine_config(self, tiers: CacheTiers, storage_root: str | None) -> EngineConfig:
+        if self.model == "reference":
+            model = ModelConfig()
+            compute = None
+        elif self.model == "modeled":
+            model = ModelConfig(layers=self.layers, kv_heads=self.kv_heads, q_heads=self.kv_heads, head_dim=self.head_dim, dtype=DTYPES[self.dtype])
+            compute = ModeledCompute(self.prefill_tokens_per_s, self.decode_step_s)
+        else:
+            raise ValueError(f"model must be 'reference' or 'modeled', got {self.model!r}")
+        if self.device_tokens % self.page_size:
+            raise ValueError(f"device_tokens ({self.device_tokens}) must be a multiple of page_size ({self.page_size})")
+        backend, backend_config = self.backend, self.backend_config
+        if tiers.storage and backend is None:
+            backend, backend_config = "file", {"root": storage_root}
+        return EngineConfig(
+            model=model,
+            tiers=tiers,
+            page_size=self.page_size,
+            device_pages=self.device_tokens // self.page_size,
+            host_ratio=self.host_ratio,
+            layout=self.layout,
+            controller=ControllerConfig(
+                write_policy=self.write_policy,
+                prefetch=PrefetchConfig(threshold_tokens=self.prefetch_threshold, stop_policy=self.stop_policy),
+            ),
+            storage_backend=backend if tiers.storage else None,
+            storage_config=backend_config if tiers.storage else None,
+            tenant=f"bench-{uuid.uuid4().hex[:12]}",  # a shared store never serves an earlier run's pages
+            max_running=self.workload.max_running,
+            compute=compute,
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        if self.model == "reference":
+            geometry = ModelConfig().geometry
+            return 2 * geometry.layers * geometry.heads * geometry.head_dim * torch.tensor([], dtype=geometry.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+
+
+@dataclass
+class RoundStats:
+    round: int | str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    computed_tokens: int
+    cache_hit_rate: float
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    wall_s: float
+    input_tokens_per_s: float
+
+
+@dataclass
+class TierRun:
+    tiers: str
+    rounds: list[RoundStats]
+    overall: RoundStats
+    storage_bytes_written: int
+    storage_bytes_read: int
+    metrics: dict[str, float]
+
+
+def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
+    from hicache_storage.bench.stats import percentile
+
+    results = [s.result for s in served]
+    ttfts = [r.ttft_s * 1e3 for r in results]
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    if wall_s is None:
+        wall_s = max(s.finished for s in served) - min(s.submitted for s in served)
+    return RoundStats(
+        round=label,
+        requests=len(results),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        device_tokens=sum(r.cached_device for r in results),
+        host_tokens=sum(r.cached_host for r in results),
+        storage_tokens=sum(r.cached_storage for r in results),
+        computed_tokens=sum(r.computed for r in results),
+        cache_hit_rate=cached / prompt if prompt else 0.0,
+        ttft_mean_ms=sum(ttfts) / len(ttfts),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p90_ms=percentile(ttfts, 90),
+        ttft_p99_ms=percentile(ttfts, 99),
+        wall_s=wall_s,
+        input_tokens_per_s=prompt / wall_s if wall_s > 0 else 0.0,
+    )
+
+
+def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], None] | None = None) -> TierRun:
+    """Serve the workload once with ``tiers`` on a fresh engine (and a fresh default store)."""
+    scratch = tempfile.mkdtemp(prefix="hicache-bench-")
+    try:
+        engine_config = config.engine_config(tiers, storage_root=f"{scratch}/l3")
+        questions = config.workload.questions(engine_config.model.vocab_size)
+        with Engine(engine_config) as engine:
+            started = time.perf_counter()
+            served = run_workload(engine, config.workload, questions, on_round)
+            wall = time.perf_counter() - started
+            metrics = engine.metrics.snapshot()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rounds = [summarize(r, [s for s in served if s.round == r]) for r in range(config.workload.rounds)]
+    return TierRun(
+        tiers=tiers.value,
+        rounds=rounds,
+        overall=summarize("all", served, wall),
+        storage_bytes_written=int(metrics["storage_backup_bytes"]),
+        storage_bytes_read=int(metrics["prefetch_bytes"]),
+        metrics=metrics,
+    )
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Every tier configuration of ``config``, one after the other; plain data for JSON."""
+    runs = []
+    for tiers in config.tiers:
+        runs.append(run_tiers(config, tiers, (lambda r, t=tiers: progress(t.value, r)) if progress else None))
+    return {"config": describe(config), "runs": [asdict(run) for run in runs]}
+
+
+def describe(config: BenchConfig) -> dict[str, Any]:
+    data = asdict(config)
+    data["tiers"] = [t.value for t in config.tiers]
+    data["write_policy"] = config.write_policy.value
+    data["stop_policy"] = config.stop_policy.value
+    data["kv_bytes_per_token"] = config.kv_bytes_per_token()
+    data["backend"] = config.backend or "file (temporary directory)"
+    if config.backend_config is not None:
+        data["backend_config"] = "(given)"  # may hold credentials; never written to results
+    return data
+
+
+def stop_policy_comparison(config: BenchConfig, cheap_prefill_tokens_per_s: float, progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """L1+L2+L3 under each stop policy, with expensive (config's) and cheap recomputation."""
+    rows = []
+    for cost, prefill in (("expensive", config.prefill_tokens_per_s), ("cheap", cheap_prefill_tokens_per_s)):
+        for policy in StopPolicy:
+            variant = replace(config, tiers=(CacheTiers.L1_L2_L3,), stop_policy=policy, prefill_tokens_per_s=prefill)
+            label = f"{policy.value} / {cost} recompute"
+            run = run_tiers(variant, CacheTiers.L1_L2_L3, (lambda r, l=label: progress(l, r)) if progress else None)
+            rows.append({"recompute": cost, "prefill_tokens_per_s": prefill, "stop_policy": policy.value, "overall": asdict(run.overall), "metrics": run.metrics})
+    return {"config": describe(config), "stop_policies": rows}

@@ -1,0 +1,132 @@
+"""Tensor parallelism: two ranks (processes, gloo) whose stores answer at different speeds make the
+same cache decisions under every stop policy, never deadlock, and match the single-process output.
+MLA: only rank 0 writes storage, both read it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy
+    from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, make_conversations, serve_conversations
+    from hicache_core.model import ModelConfig
+    from hicache_core.tp import TPContext
+    from hicache_storage import create_backend
+    from hicache_storage.wrappers.faults import FaultInjectionWrapper
+
+    rank, world, port, root, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tp = TPContext.from_torch_distributed()
+    conversations = make_conversations(clients=2, rounds=3, turn_tokens=20, vocab_size=256, seed=21)
+    delay = 0.001 if rank == 0 else 0.02  # the ranks' stores answer at very different speeds
+    records = {}
+    for mla in (False, True):
+        model = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=1 if mla else 2, head_dim=8,
+                            ffn=64, mla=mla, latent_dim=16, seed=4)
+        for policy in StopPolicy:
+            name = f"{'mla' if mla else 'mha'}-{policy.value}"
+            slow = {"latency_rate": 1.0, "latency_seconds": delay}
+            backend = FaultInjectionWrapper(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
+            controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy))
+            config = EngineConfig(model=model, tiers=CacheTiers.L1_L2_L3, page_size=4, device_pages=24, host_pages=24,
+                                  host_ratio=None, controller=controller, max_running=2, tp=tp)
+            with Engine(config, storage=backend) as engine:
+                rounds = serve_conversations(engine, conversations, 3)
+                engine.flush_cache()
+                last = [Request(f"again-{r.rid}", prompt, 3) for r, prompt in zip(rounds[-1], engine_prompts(rounds, conversations))]
+                again = engine.serve(last)
+                records[name] = {
+                    "results": [[r.rid, r.output_ids, r.cached_device, r.cached_host, r.cached_storage]
+                                for rnd in rounds + [again] for r in rnd],
+                    "storage_backup_ops": engine.metrics.snapshot()["storage_backup_ops"],
+                }
+    json.dump(records, open(out, "w"))
+    dist.destroy_process_group()
+    """
+)
+
+PROMPTS = textwrap.dedent(
+    """
+    def engine_prompts(rounds, conversations):
+        histories = [[] for _ in conversations]
+        prompts = []
+        for r, results in enumerate(rounds):
+            for c, result in enumerate(results):
+                prompt = histories[c] + conversations[c][r]
+                histories[c] = prompt + result.output_ids
+                if r == len(rounds) - 1:
+                    prompts.append(prompt)
+        return prompts
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_under_every_stop_policy(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(PROMPTS + WORKER)
+    port = free_port()
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", str(port), str(tmp_path / "l3"), str(outs[rank])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=300)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, f"a rank failed (or deadlocked and was killed):\n{log[-4000:]}"
+    rank0, rank1 = (json.loads(out.read_text()) for out in outs)
+    assert set(rank0) == {f"{kind}-{policy}" for kind in ("mha", "mla") for policy in ("best_effort", "wait_complete", "timeout")}
+    for name in rank0:
+        assert rank0[name]["results"] == rank1[name]["results"], f"{name}: the ranks decided differently"
+    # Outputs match a single-process run without any cache.
+    from hicache_core.model import ModelConfig
+
+    for kind, mla in (("mha", False), ("mla", True)):
+        model = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=1 if mla else 2, head_dim=8,
+                            ffn=64, mla=mla, latent_dim=16, seed=4)
+        conversations = make_conversations(clients=2, rounds=3, turn_tokens=20, vocab_size=256, seed=21)
+        with Engine(EngineConfig(model=model, tiers=CacheTiers.OFF, page_size=4, device_pages=24)) as engine:
+            expected = [r.output_ids for rnd in serve_conversations(engine, conversations, 3) for r in rnd]
+        for policy in ("best_effort", "wait_complete", "timeout"):
+            got = [entry[1] for entry in rank0[f"{kind}-{policy}"]["results"]]
+            assert got[: len(expected)] == expected
+            assert got[len(expected) :] == expected[-2:], "the flushed last round came back identical"
+    for policy in ("wait_complete", "timeout"):
+        for rank in (rank0, rank1):
+            restored = [entry[4] for entry in rank[f"mha-{policy}"]["results"][-2:]]
+            assert sum(restored) > 0, "after the flush the last round is restored from L3"
+    # MLA: KV is replicated, so only rank 0 writes; rank 1 still restores what rank 0 wrote.
+    for policy in ("best_effort", "wait_complete", "timeout"):
+        assert rank0[f"mla-{policy}"]["storage_backup_ops"] > 0
+        assert rank1[f"mla-{policy}"]["storage_backup_ops"] == 0
+    assert sum(entry[4] for entry in rank1["mla-wait_complete"]["results"][-2:]) > 0
+    assert torch.distributed.is_available()
