@@ -67,7 +67,107 @@ def build_parser() -> argparse.ArgumentParser:
     bench_io.add_argument("--bytes-per-case", default="64M", help="bytes moved per page size and batch (default: %(default)s)")
     bench_io.add_argument("--out", default="results", help="directory for bench-io-<backend>.{json,md} (default: %(default)s)")
     bench_io.set_defaults(run=run_bench_io)
+
+    add_bench_parser(commands)
     return parser
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    # The benchmark drives the HiCache core (hicache_core), the layer above this SDK: the CLI is
+    # the top of the stack, and this command is the one place it reaches up, lazily.
+    bench = commands.add_parser(
+        "bench",
+        help="multi-turn serving benchmark: L1 vs L1+L2 vs L1+L2+L3 through the HiCache core",
+        description="Run a multi-turn workload (shaped like SGLang's bench_multiturn) through the reference "
+        "engine once per tier configuration, and report hit rate, TTFT and input throughput per round and "
+        "overall. With no arguments: the file connector in a temporary directory, modeled compute.",
+    )
+    where = bench.add_argument_group("storage (L3)")
+    where.add_argument("--backend", help="L3 backend name (default: file connector in a temporary directory)")
+    where.add_argument("--config", help="L3 backend config: a JSON object or @path")
+    work = bench.add_argument_group("workload")
+    work.add_argument("--clients", type=int, default=16, help="conversations (default: %(default)s)")
+    work.add_argument("--rounds", type=int, default=8, help="rounds per conversation (default: %(default)s)")
+    work.add_argument("--request-length", type=int, default=256, help="new tokens per round (default: %(default)s)")
+    work.add_argument("--output-length", type=int, default=16, help="generated tokens per round (default: %(default)s)")
+    work.add_argument("--max-running", type=int, default=8, help="most requests running at once (default: %(default)s)")
+    work.add_argument("--no-round-barrier", action="store_true", help="let each client start its next round as soon as it can")
+    work.add_argument("--seed", type=int, default=0)
+    tiers = bench.add_argument_group("tiers and cache")
+    tiers.add_argument("--tiers", default="L1,L1+L2,L1+L2+L3", help="comma-separated configurations to compare (default: %(default)s)")
+    tiers.add_argument("--device-tokens", type=int, default=4096, help="L1 capacity in tokens (default: %(default)s)")
+    tiers.add_argument("--host-ratio", type=float, default=2.0, help="L2 capacity as a multiple of L1 (default: %(default)s)")
+    tiers.add_argument("--page-size", type=int, default=64, help="tokens per page (default: %(default)s)")
+    tiers.add_argument("--layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
+    tiers.add_argument("--write-policy", default="write_through", choices=["write_through", "write_through_selective", "write_back"])
+    tiers.add_argument("--stop-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"])
+    tiers.add_argument("--prefetch-threshold", type=int, default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
+    compute = bench.add_argument_group("compute")
+    compute.add_argument("--model", default="modeled", choices=["modeled", "reference"], help="modeled cost, or the real tiny model (default: %(default)s)")
+    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: an L4 GPU on an 8B model, 3,800)")
+    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step (default: 55 ms, same GPU)")
+    compute.add_argument("--layers", type=int, default=None, help="modeled KV layers (default: 32, Llama-3.1-8B)")
+    compute.add_argument("--kv-heads", type=int, default=None, help="modeled KV heads (default: 8)")
+    compute.add_argument("--head-dim", type=int, default=None, help="modeled head dim (default: 128)")
+    compute.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--compare-stop-policies", action="store_true", help="instead: L1+L2+L3 under each stop policy, expensive and cheap recompute")
+    bench.add_argument("--cheap-prefill-tokens-per-s", type=float, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
+    bench.add_argument("--out", default="results", help="directory for bench.{json,md,png} (default: %(default)s)")
+    bench.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from hicache_core.bench.report import render_markdown, render_stop_policies, write_outputs
+    from hicache_core.bench.runner import TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
+    from hicache_core.bench.workload import Workload
+    from hicache_core.controller import StopPolicy, WritePolicy
+    from hicache_storage.config import load_config_source
+
+    try:
+        tiers = tuple(TIER_CHOICES[t.strip()] for t in args.tiers.split(","))
+    except KeyError as exc:
+        raise SystemExit(f"hicache-storage bench: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
+    workload = Workload(args.clients, args.rounds, args.request_length, args.output_length, args.max_running, not args.no_round_barrier, args.seed)
+    modeled = {
+        "prefill_tokens_per_s": args.prefill_tokens_per_s,
+        "decode_step_s": args.decode_step_ms / 1e3 if args.decode_step_ms is not None else None,
+        "layers": args.layers,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+    }
+    config = BenchConfig(
+        workload=workload,
+        tiers=tiers,
+        model=args.model,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        device_tokens=args.device_tokens,
+        host_ratio=args.host_ratio,
+        layout=args.layout,
+        write_policy=WritePolicy(args.write_policy),
+        stop_policy=StopPolicy(args.stop_policy),
+        prefetch_threshold=args.prefetch_threshold,
+        backend=args.backend,
+        backend_config=load_config_source(args.config) if args.config else None,
+        **{name: value for name, value in modeled.items() if value is not None},
+    )
+    from tqdm import tqdm
+
+    runs = 2 * len(StopPolicy) if args.compare_stop_policies else len(tiers)
+    with tqdm(total=runs * workload.rounds, unit="round", desc="bench") as bar:
+
+        def progress(label: str, round_: int) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        if args.compare_stop_policies:
+            result = stop_policy_comparison(config, args.cheap_prefill_tokens_per_s, progress)
+        else:
+            result = run_bench(config, progress)
+    written = write_outputs(result, Path(args.out), "bench-stop-policies" if args.compare_stop_policies else "bench")
+    print(render_stop_policies(result) if args.compare_stop_policies else render_markdown(result))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0
 
 
 def parse_size(text: str) -> int:
