@@ -17,7 +17,7 @@ import torch
 
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, RequestResult, make_conversations, serve_conversations
-from hicache_core.model import ModelConfig
+from hicache_core.model import ModelConfig, ModeledCompute
 
 MHA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
 MLA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, head_dim=8, ffn=64, mla=True, latent_dim=16, seed=12)
@@ -134,10 +134,29 @@ def test_l3_memory_connector(baseline, layout, write, stop):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout,write", list(itertools.product(LAYOUTS, list(WritePolicy))), ids=lambda v: v.value if hasattr(v, "value") else v
+    "layout,write,stop",
+    list(itertools.product(LAYOUTS, list(WritePolicy), list(StopPolicy))),
+    ids=lambda v: v.value if hasattr(v, "value") else v,
 )
-def test_l3_file_connector_with_restart(baseline, tmp_path, layout, write):
-    run_l3_scenario(baseline["mha"], MHA, layout, write, StopPolicy.TIMEOUT, "file", {"root": str(tmp_path)}, restart=True)
+def test_l3_file_connector_with_restart(baseline, tmp_path, layout, write, stop):
+    run_l3_scenario(baseline["mha"], MHA, layout, write, stop, "file", {"root": str(tmp_path)}, restart=True)
+
+
+def test_modeled_compute_moves_real_kv_through_every_tier(tmp_path):
+    """Modeled compute: no forward pass, but pages really go to L3 and come back after a flush."""
+    model = ModelConfig(vocab_size=1000, layers=4, q_heads=8, kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+    cfg = config(model, CacheTiers.L1_L2_L3, backend="file", storage_config={"root": str(tmp_path)},
+                 compute=ModeledCompute(prefill_tokens_per_s=1e7, decode_step_s=1e-5))
+    again = [Request(f"m{c}", turns[0] + turns[1], NEW_TOKENS) for c, turns in enumerate(CONVERSATIONS)]
+    with Engine(cfg) as engine:
+        first = engine.serve(again)
+        assert all(r.logits is None and len(r.output_ids) == NEW_TOKENS for r in first)
+        engine.flush_cache()
+        second = engine.serve(again)
+        assert [r.output_ids for r in second] == [r.output_ids for r in first]
+        assert all(r.cached_storage > 0 and r.ttft_s > 0 for r in second)
+        snapshot = engine.metrics.snapshot()
+        assert snapshot["storage_backup_bytes"] > 0 and snapshot["prefetch_bytes"] > 0 and snapshot["load_back_bytes"] > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
