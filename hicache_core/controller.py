@@ -267,24 +267,25 @@ class CacheController:
         if event is not None and wait:
             event.synchronize()
             event = None
-        self.tree.lock(node)  # the device copy stays until the host copy is complete
-        self._pending_writes.append(_PendingWrite(node, event))
-        if event is None:
-            self._ack_writes(wait_all=True)
+        if event is None and not self._pending_writes:
+            self._queue_storage_backup(node)  # the copy is complete (CPU, or synchronized)
+        else:
+            self.tree.lock(node)  # the device copy stays until the host copy is complete
+            self._pending_writes.append(_PendingWrite(node, event))
         self.metrics.add(host_backup_seconds=time.perf_counter() - started)
         return True
 
     def _backup_on_evict(self, node: TreeNode) -> bool:
         return self.write_to_host(node, wait=True)
 
-    def _ack_writes(self, wait_all: bool = False) -> None:
+    def _ack_writes(self) -> None:
+        """Apply completed asynchronous (CUDA) device -> host copies, in order, as many as every rank has."""
         ready = 0
         for pending in self._pending_writes:
             if pending.event is not None and not pending.event.query():
                 break
             ready += 1
-        if not wait_all:
-            ready = self.tp.scheduler.all_min(ready)
+        ready = self.tp.scheduler.all_min(ready)
         for _ in range(ready):
             pending = self._pending_writes.popleft()
             self.tree.unlock(pending.node)
