@@ -134,7 +134,11 @@ class _Live:
 
 
 class Engine:
+    """Serves requests through the tiers ``config`` selects. Owns ``storage`` (closes it on ``close``)."""
+
     def __init__(self, config: EngineConfig, storage: StorageBackend | None = None) -> None:
+        if config.controller.buffer_only and not config.tiers.storage:
+            raise ValueError("buffer-only mode stages pages for storage: it needs tiers L1+L2+L3")
         self.config = config
         self.tp = config.tp or TPContext()
         geometry = config.model.geometry
@@ -190,7 +194,7 @@ class Engine:
         return self.controller.detach_storage()
 
     def serve(self, requests: Sequence[Request]) -> list[RequestResult]:
-        """Run ``requests`` to completion; results in the same order."""
+        """Run ``requests`` (and any already submitted) to completion; their results in order."""
         for request in requests:
             self.submit(request)
         while self.has_work():
@@ -211,6 +215,12 @@ class Engine:
         live.prefetch = self.controller.plan_prefetch(request.rid, self._matchable(request), match)
         if live.prefetch is not None:
             self.controller.try_issue(live.prefetch)  # if rate-limited, _admit retries it
+
+    def take_results(self) -> list[RequestResult]:
+        """Results of the requests finished since the last call (for drivers using ``submit``/``step``)."""
+        done = list(self._done.values())
+        self._done.clear()
+        return done
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)

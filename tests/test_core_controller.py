@@ -303,3 +303,25 @@ def test_attach_and_detach_storage_at_runtime(expected):
         results = engine.serve(_first_round())
         check_same(expected[:1], [results])
         assert sum(r.cached_storage for r in results) > 0, "re-attached storage serves the pages written before"
+
+
+def test_streaming_driver_and_clear_errors(expected):
+    from hicache_core.engine import EngineCapacityError, Request
+
+    with Engine(engine_config(CacheTiers.L1_L2)) as engine:
+        for request in _first_round():
+            engine.submit(request)
+        finished = []
+        while engine.has_work():
+            engine.step()
+            finished.extend(engine.take_results())
+        by_id = {r.rid: r for r in finished}
+        check_same(expected[:1], [[by_id[f"x{c}"] for c in range(len(CONVERSATIONS))]])
+        assert all(r.ttft_s > 0 and r.latency_s >= r.ttft_s for r in finished)
+    with Engine(engine_config(CacheTiers.L1)) as engine:
+        with pytest.raises(EngineCapacityError, match="raise device_pages"):
+            engine.serve([Request("huge", list(range(200)), 3)])
+    cfg = engine_config(CacheTiers.L1_L2)
+    cfg.controller = ControllerConfig(buffer_only=True)
+    with pytest.raises(ValueError, match="buffer-only mode .* needs tiers L1\\+L2\\+L3"):
+        Engine(cfg)
