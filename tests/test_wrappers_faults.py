@@ -7,7 +7,7 @@ import pytest
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import BackendClosedError, BackendContractError, ConfigError, StorageError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import FaultInjectionWrapper, MetricsWrapper
+from hicache_storage.wrappers import FaultInjectionWrapper, MetricsWrapper, find_wrapper
 from hicache_storage.wrappers.faults import ERROR_KINDS
 
 SCOPE = KeyScope(Namespace(model="faults-tests", kv_dtype="bfloat16", page_size=16))
@@ -106,6 +106,40 @@ def test_a_short_read_leaves_the_rest_of_the_buffer_as_it_was():
     assert got[arrived:] == b"\xaa" * (SIZE - arrived)
 
 
+def test_a_corrupted_write_stores_flipped_bytes_and_leaves_the_callers_buffer_alone():
+    memory = MemoryBackend()
+    store = FaultInjectionWrapper(memory, {"put": {"corrupt_rate": 1.0, "corrupt_bytes": 2}})
+    source = bytearray(page(5))
+    assert store.put_from(keys(1), [[source[:100], source[100:]]]) == [True]
+    assert source == bytearray(page(5))
+    (kept,) = memory.get(keys(1), SIZE)
+    assert 1 <= sum(a != b for a, b in zip(kept, page(5))) <= 2
+
+
+def test_a_truncated_write_stores_a_prefix_and_reads_as_a_miss():
+    memory = MemoryBackend()
+    store = FaultInjectionWrapper(memory, {"seed": 2, "put": {"truncate_write_rate": 1.0}})
+    assert store.put(keys(1), [page(6)]) == [True]
+    (event,) = store.events
+    kept = int(event.detail.split()[0])
+    assert memory.get(keys(1), kept) == [page(6)[:kept]]
+    assert store.get(keys(1), SIZE) == [None]
+
+
+@pytest.mark.parametrize("fault", ["corrupt_rate", "truncate_write_rate"])
+def test_damaged_writes_read_as_misses_through_integrity(fault):
+    from hicache_storage.wrappers import wrap
+
+    store = wrap(MemoryBackend(), [{"kind": "faults", "seed": 8, "put": {fault: 0.5}}, {"kind": "integrity"}])
+    pages = [page(i) for i in range(30)]
+    store.put(keys(30), pages)
+    damaged = {e.page for e in find_wrapper(store, FaultInjectionWrapper).events}
+    got = store.get(keys(30), SIZE)
+    assert len(damaged) > 5
+    assert {i for i, value in enumerate(got) if value is None} == damaged
+    assert all(value == expected for value, expected in zip(got, pages) if value is not None)
+
+
 def test_misses_are_left_alone_by_read_faults():
     store = FaultInjectionWrapper(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "short_read_rate": 1.0}})
     target = bytearray(b"\x11" * SIZE)
@@ -159,8 +193,9 @@ def test_clear_and_register_buffer_can_fail_too():
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"put": {"corrupt_rate": 0.1}}, "only reads can return corrupted"),
-        ({"exists": {"short_read_rate": 0.1}}, "only reads"),
+        ({"exists": {"corrupt_rate": 0.1}}, "applies only to get and put"),
+        ({"exists": {"short_read_rate": 0.1}}, "applies only to get"),
+        ({"get": {"truncate_write_rate": 0.1}}, "applies only to put"),
         ({"clear": {"wrong_count_rate": 0.1}}, "no per-key results"),
         ({"get": {"error_rat": 0.1}}, "unknown fault field.*error_rat.*valid: .*error_rate"),
         ({"get": {"errors": ["gremlins"]}}, "unknown error kind.*gremlins.*valid: unavailable"),

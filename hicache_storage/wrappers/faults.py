@@ -24,8 +24,13 @@ and, for ``get``, to each page the store reports as found:
 * **short read**: only a prefix of the page arrives; the rest of the caller's buffer keeps
   whatever it held before, yet the store reports a hit.
 
-The last two deliver wrong data as a hit, which is what the integrity wrapper turns into misses:
-stack faults *below* integrity (``integrity(faults(store))``) to rehearse them.
+and, for ``put``, to each page (the caller's buffer is never changed; a private copy is):
+
+* **corrupt**: the page is stored with ``corrupt_bytes`` bytes flipped, and reported stored.
+* **truncated write**: only a prefix of the page is stored, and reported stored.
+
+These deliver or keep wrong data as a success, which is what the integrity wrapper turns into
+misses: stack faults *below* integrity (``integrity(faults(store))``) to rehearse them.
 
 Replay: call number n of an operation draws its fate from ``Random(f"{seed}:{op}:{n}")``, so a
 single-threaded run with the same seed and the same calls replays exactly; with several threads
@@ -86,7 +91,8 @@ ERROR_KINDS: dict[str, type[Exception]] = {
     "runtime": RuntimeError,
 }
 OPERATIONS = ("exists", "get", "put", "delete", "clear", "register_buffer")
-_READ_ONLY_FAULTS = ("corrupt_rate", "short_read_rate")
+#: Page faults and the operations they apply to.
+_PAGE_FAULTS = {"corrupt_rate": ("get", "put"), "short_read_rate": ("get",), "truncate_write_rate": ("put",)}
 _Rate = pydantic.confloat(ge=0.0, le=1.0)
 
 
@@ -105,6 +111,7 @@ class FaultSpec(pydantic.BaseModel):
     corrupt_rate: _Rate = 0.0  # type: ignore[valid-type]
     corrupt_bytes: int = pydantic.Field(1, ge=1)
     short_read_rate: _Rate = 0.0  # type: ignore[valid-type]
+    truncate_write_rate: _Rate = 0.0  # type: ignore[valid-type]
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -137,10 +144,9 @@ class FaultsConfig(BackendConfig):
     def _applicable(self) -> FaultsConfig:
         for op in OPERATIONS:
             spec: FaultSpec = getattr(self, op)
-            if op != "get":
-                for name in _READ_ONLY_FAULTS:
-                    if getattr(spec, name):
-                        raise ValueError(f"{op}.{name}: only reads can return corrupted or short pages; set it under 'get'")
+            for name, applies in _PAGE_FAULTS.items():
+                if getattr(spec, name) and op not in applies:
+                    raise ValueError(f"{op}.{name}: this fault applies only to {' and '.join(applies)}")
             if op in ("clear", "register_buffer") and spec.wrong_count_rate:
                 raise ValueError(f"{op}.wrong_count_rate: {op} returns no per-key results")
         return self
@@ -164,7 +170,7 @@ class _Fate:
     error: str | None
     latency: bool
     wrong_count: int  # 0, +1 or -1
-    short_cuts: dict[int, float]  # page index -> fraction of the page that arrives
+    short_cuts: dict[int, float]  # page index -> fraction of the page that arrives or is stored
     corruptions: dict[int, list[tuple[float, int]]]  # page index -> (position fraction, xor byte)
 
 
@@ -173,7 +179,15 @@ class FaultInjectionWrapper(BackendWrapper):
 
     kind = "faults"
     Config = FaultsConfig
-    extra_stats = ("faults_hang", "faults_error", "faults_latency", "faults_wrong_count", "faults_corrupt", "faults_short_read")
+    extra_stats = (
+        "faults_hang",
+        "faults_error",
+        "faults_latency",
+        "faults_wrong_count",
+        "faults_corrupt",
+        "faults_short_read",
+        "faults_truncate_write",
+    )
     config: FaultsConfig
 
     def __init__(self, inner: StorageBackend, config: FaultsConfig | dict[str, Any] | str | None = None) -> None:
@@ -232,16 +246,24 @@ class FaultInjectionWrapper(BackendWrapper):
         for page, flips in fate.corruptions.items():
             size = segments_size(targets[page])
             if results[page] and size:
-                positions = []
-                for fraction, xor in flips:
-                    position = int(fraction * size)
-                    _xor_byte(targets[page], position, xor)
-                    positions.append(position)
+                positions = [_flip(targets[page], fraction, xor) for fraction, xor in flips]
                 self._record(FaultEvent("get", fate.call, "corrupt", page, f"bytes {positions} flipped"), "faults_corrupt")
         return self._miscount(fate, "get", results)
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
         fate = self._suffer("put", len(keys))
+        sources = list(sources)
+        for page, fraction in fate.short_cuts.items():
+            kept = int(fraction * segments_size(sources[page]))
+            sources[page] = [memoryview(_read_range(sources[page], 0, kept))]
+            self._record(FaultEvent("put", fate.call, "truncate_write", page, f"{kept} bytes stored"), "faults_truncate_write")
+        for page, flips in fate.corruptions.items():
+            size = segments_size(sources[page])
+            if size:
+                copy = [memoryview(bytearray(_read_range(sources[page], 0, size)))]
+                positions = [_flip(copy, fraction, xor) for fraction, xor in flips]
+                sources[page] = copy
+                self._record(FaultEvent("put", fate.call, "corrupt", page, f"bytes {positions} flipped"), "faults_corrupt")
         return self._miscount(fate, "put", super()._put_from(keys, sources))
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
@@ -275,9 +297,10 @@ class FaultInjectionWrapper(BackendWrapper):
         latency = rng.random() < spec.latency_rate
         wrong_count = rng.choice((-1, 1)) if rng.random() < spec.wrong_count_rate else 0
         short_cuts, corruptions = {}, {}
-        if spec.short_read_rate or spec.corrupt_rate:
+        shorten = spec.short_read_rate or spec.truncate_write_rate
+        if shorten or spec.corrupt_rate:
             for page in range(pages):
-                if rng.random() < spec.short_read_rate:
+                if rng.random() < shorten:
                     short_cuts[page] = rng.random()
                 if rng.random() < spec.corrupt_rate:
                     corruptions[page] = [(rng.random(), rng.randrange(1, 256)) for _ in range(spec.corrupt_bytes)]
@@ -351,6 +374,9 @@ def _write_range(segments: Segments, start: int, data: bytes) -> None:
         consumed += hi - lo
 
 
-def _xor_byte(segments: Segments, position: int, xor: int) -> None:
+def _flip(segments: Segments, fraction: float, xor: int) -> int:
+    """XOR the byte at ``fraction`` of the page with ``xor`` (never 0); returns its position."""
+    position = int(fraction * segments_size(segments))
     for view, lo, _ in _pieces(segments, position, position + 1):
         view[lo] ^= xor
+    return position
