@@ -135,3 +135,26 @@ def test_retry_hides_injected_retryable_faults_from_a_workload():
     stats = store.stats()
     assert stats["faults_error"] > 0
     assert stats["retries"] == stats["faults_error"], "every injected error was retried, nothing more"
+
+
+def test_only_the_configured_operations_are_retried():
+    store = wrap(
+        MemoryBackend(),
+        [
+            {"kind": "faults", "put": {"error_rate": 1.0}, "exists": {"error_rate": 1.0}},
+            {"kind": "retry", "attempts": 3, "base_seconds": 0.0001, "operations": ["exists"]},
+        ],
+    )
+    with pytest.raises(BackendUnavailableError):
+        store.put(keys(1), [b"x"])
+    assert store.stats()["retries"] == 0
+    with pytest.raises(BackendUnavailableError):
+        store.exists(keys(1))
+    assert store.stats()["retries"] == 2
+
+
+def test_an_unknown_operation_to_retry_is_a_config_error():
+    from hicache_storage.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="operations"):
+        RetryWrapper(MemoryBackend(), {"operations": ["gets"]})

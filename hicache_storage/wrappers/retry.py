@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pydantic
 
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+Operation = Literal["exists", "get", "put", "delete", "clear", "register_buffer"]
+OPERATIONS: tuple[Operation, ...] = ("exists", "get", "put", "delete", "clear", "register_buffer")
+
 
 class RetryConfig(BackendConfig):
     attempts: int = pydantic.Field(3, ge=1, le=100, description="tries in total, the first included")
@@ -46,6 +49,9 @@ class RetryConfig(BackendConfig):
         10.0, gt=0, description="no retry whose pause would end later than this after the first try; omit for none"
     )
     seed: int | None = pydantic.Field(None, description="seed for the jitter, to replay a run; omit for a random one")
+    operations: tuple[Operation, ...] = pydantic.Field(
+        OPERATIONS, description="operations to retry; others fail at their first error (e.g. leave out put for best-effort backups)"
+    )
 
 
 class RetryWrapper(BackendWrapper):
@@ -86,7 +92,9 @@ class RetryWrapper(BackendWrapper):
         bound = min(self.config.cap_seconds, self.config.base_seconds * 2 ** (retry - 1))
         return self._rng.uniform(0.0, bound)
 
-    def _retrying(self, operation: str, fn: Callable[[], T]) -> T:
+    def _retrying(self, operation: Operation, fn: Callable[[], T]) -> T:
+        if operation not in self.config.operations:
+            return fn()
         deadline = None if self.config.deadline_seconds is None else self._clock() + self.config.deadline_seconds
         tries = 0
         while True:
