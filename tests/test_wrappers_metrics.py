@@ -159,3 +159,23 @@ def test_find_the_metrics_layer_in_a_chain():
     metrics = find_wrapper(store, MetricsWrapper)
     store.put(keys(1), [b"x"])
     assert metrics.snapshot()["operations"]["put"]["hits"] == 1
+
+
+def test_counts_are_exact_under_concurrent_callers():
+    import threading
+
+    store = MetricsWrapper(MemoryBackend())
+    store.put(keys(2), [b"x" * 10] * 2)
+
+    def hammer():
+        for _ in range(300):
+            store.exists(keys(3))
+
+    threads = [threading.Thread(target=hammer) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    exists = store.snapshot()["operations"]["exists"]
+    assert (exists["calls"], exists["keys"], exists["hits"]) == (1800, 5400, 3600)
+    assert exists["latency"]["count"] == 1800

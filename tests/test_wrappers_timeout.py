@@ -269,3 +269,42 @@ def test_a_staging_buffer_is_never_lent_twice_at_once():
     a, b = pool.lend(pages), pool.lend(pages)
     assert a._buffer is not b._buffer
     assert pool._free == []
+
+
+def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_returned():
+    """Many threads, random short hangs: a hit holds the page; a timed-out target keeps its sentinel.
+
+    Whether a given call times out depends on timing; what is asserted never does.
+    """
+    faults = FaultInjectionWrapper(MemoryBackend(), {"seed": 5, "get": {"hang_rate": 0.3, "hang_seconds": 0.03}})
+    store = TimeoutWrapper(faults, {"seconds": 0.005, "workers": 3})
+    pages = {key: bytes([i + 1]) * 2048 for i, key in enumerate(keys(8))}
+    for key, value in pages.items():
+        faults.inner.put([key], [value])
+    set_aside = []  # (target, sentinel) of calls that failed; checked once every late call is done
+    wrong = []
+
+    def reader(worker: int) -> None:
+        for n in range(25):
+            key = keys(8)[(worker + n) % 8]
+            sentinel = bytes([200 + worker]) * 2048
+            target = bytearray(sentinel)
+            try:
+                hit = store.get_into([key], [target])
+            except StorageTimeoutError:
+                set_aside.append((target, sentinel))
+                continue
+            if hit != [True] or bytes(target) != pages[key]:
+                wrong.append((key, hit))
+
+    readers = [threading.Thread(target=reader, args=(w,)) for w in range(4)]
+    for thread in readers:
+        thread.start()
+    for thread in readers:
+        thread.join(120)
+    assert store.wait_idle(30)
+    assert not wrong
+    assert set_aside, "no call timed out: the test proved nothing"
+    assert all(bytes(target) == sentinel for target, sentinel in set_aside)
+    assert len(our_threads(store)) <= 3
+    store.close()
