@@ -262,3 +262,87 @@ def test_failures_are_logged_with_the_key_and_reason(store, memory, caplog):
     with caplog.at_level(logging.WARNING, logger="hicache_storage.wrappers.integrity"):
         store.get([key], SIZE)
     assert "failed its magic check" in caplog.text and key.page_hash in caplog.text
+
+
+class RegisteringMemory(MemoryBackend):
+    """Declares buffer registration and notes, per read, whether every segment was registered memory."""
+
+    capabilities = MemoryBackend.capabilities.replace(buffer_registration=True)
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.ranges = []
+        self.all_registered = []
+
+    def _register_buffer(self, view):
+        start = _address(view)
+        self.ranges.append((start, start + view.nbytes))
+
+    def _get_into(self, keys, targets):
+        for segments in targets:
+            self.all_registered.append(
+                all(any(lo <= _address(v) and _address(v) + v.nbytes <= hi for lo, hi in self.ranges) for v in segments)
+            )
+        return super()._get_into(keys, targets)
+
+
+def _address(view):
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def test_reads_into_a_registered_pool_stay_in_registered_memory_trailer_included():
+    inner = RegisteringMemory()
+    store = IntegrityWrapper(inner)
+    pool = bytearray(4 * SIZE)
+    store.register_buffer(pool)
+    view = memoryview(pool)
+    store.put(keys(2), [page(1), page(2)])
+    assert store.get_into(keys(2), [view[:SIZE], view[SIZE : 2 * SIZE]]) == [True, True]
+    assert bytes(view[:SIZE]) == page(1) and bytes(view[SIZE : 2 * SIZE]) == page(2)
+    assert inner.all_registered == [True, True]
+    assert len(inner.ranges) == 2  # the caller's pool and the trailer arena, the arena once
+    store.get_into(keys(1), [view[:SIZE]])
+    assert len(inner.ranges) == 2
+
+
+def test_more_reads_than_trailer_slots_still_verify():
+    store = IntegrityWrapper(RegisteringMemory(), {"trailer_slots": 1})
+    store.put(keys(3), [page(i) for i in range(3)])
+    assert store.get(keys(3), SIZE) == [page(i) for i in range(3)]
+    assert store._slots._free == [0]
+
+
+def test_a_store_that_does_not_register_gets_no_registration():
+    inner = RegisteringMemory()
+    inner.capabilities = MemoryBackend.capabilities
+    store = IntegrityWrapper(inner)
+    store.put(keys(1), [page(1)])
+    assert store.get(keys(1), SIZE) == [page(1)]
+    assert inner.ranges == []
+
+
+def test_a_hit_without_a_delivered_trailer_fails_even_after_a_good_read():
+    """A reused trailer buffer is zeroed first: stale bytes from an earlier read never vouch."""
+
+    class ForgetsTrailer(MemoryBackend):
+        forget = False
+
+        def _get_into(self, keys, targets):
+            if not self.forget:
+                return super()._get_into(keys, targets)
+            for segments in targets:  # delivers the page but not the trailer segment
+                offset, value = 0, self._store.pages[keys[0]]
+                for view in segments[:-1]:
+                    view[:] = value[offset : offset + view.nbytes]
+                    offset += view.nbytes
+            return [True] * len(keys)
+
+    inner = ForgetsTrailer()
+    store = IntegrityWrapper(inner, {"trailer_slots": 1})
+    store.put(keys(1), [page(1)])
+    assert store.get(keys(1), SIZE) == [page(1)]
+    inner.forget = True
+    assert store.get(keys(1), SIZE) == [None]
+    assert misses(store, "magic") == 1

@@ -14,7 +14,11 @@ Every stored value is the page's bytes followed by a fixed 48-byte trailer::
 
 Reads stay zero-copy: the inner backend gets the caller's segments plus a private 48-byte trailer
 buffer as one more segment, so the page lands directly in caller memory and only the trailer is
-checked on the side. A page whose trailer has the wrong magic, version, checksum kind, payload
+checked on the side. Trailer buffers come from one small arena which, when the inner backend
+declares ``buffer_registration``, is registered with it once, so a store that moves bytes
+zero-copy only between registered buffers (Mooncake) still reads straight into the caller's
+registered host pool. Each trailer buffer is zeroed before a read, so a store that reports a hit
+without delivering the trailer fails the magic check. A page whose trailer has the wrong magic, version, checksum kind, payload
 length or key digest, or whose checksum does not match, is a **miss** (``False``), counted in
 ``stats()`` as ``integrity_miss_<reason>`` and logged; its bytes are never reported as data
 (the caller's target then holds unspecified bytes, as for any miss). That turns a torn or
@@ -39,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import threading
 import zlib
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -49,7 +54,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import ConfigError
+from hicache_storage.errors import ConfigError, StorageError
 from hicache_storage.keys import KeyScope, PageKey
 from hicache_storage.wrappers.base import BackendWrapper
 
@@ -72,6 +77,9 @@ class IntegrityConfig(BackendConfig):
     )
     verify_exists: bool = pydantic.Field(
         False, description="exists() reads and verifies pages of known size instead of trusting the store"
+    )
+    trailer_slots: int = pydantic.Field(
+        1024, ge=0, le=2**20, description="reads in flight that use the (registered) trailer arena; more use plain buffers"
     )
 
 
@@ -117,6 +125,28 @@ def check_trailer(key: PageKey, payload: Segments, trailer: bytes | bytearray | 
     return None
 
 
+class _TrailerSlots:
+    """Trailer buffers carved from one arena; thread-safe. Out of slots, plain buffers are used."""
+
+    def __init__(self, count: int) -> None:
+        self.arena = memoryview(bytearray(count * TRAILER_SIZE))
+        self._free = list(range(count))
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> tuple[list[memoryview], list[int]]:
+        with self._lock:
+            taken = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        views = [self.arena[i * TRAILER_SIZE : (i + 1) * TRAILER_SIZE] for i in taken]
+        views += [memoryview(bytearray(TRAILER_SIZE)) for _ in range(count - len(taken))]
+        for view in views[: len(taken)]:
+            view[:] = bytes(TRAILER_SIZE)
+        return views, taken
+
+    def give_back(self, taken: list[int]) -> None:
+        with self._lock:
+            self._free.extend(taken)
+
+
 class IntegrityWrapper(BackendWrapper):
     """Adds and verifies a trailer per page; see the module docstring. Thread-safe."""
 
@@ -128,6 +158,9 @@ class IntegrityWrapper(BackendWrapper):
     def __init__(self, inner: StorageBackend, config: IntegrityConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self._page_sizes: dict[KeyScope, int] = {}
+        self._slots = _TrailerSlots(self.config.trailer_slots)
+        self._arena_registration = threading.Lock()
+        self._arena_registered = not (inner.capabilities.buffer_registration and self.config.trailer_slots)
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
         limit = inner.max_value_size
@@ -149,12 +182,29 @@ class IntegrityWrapper(BackendWrapper):
         return super()._put_from(keys, framed)
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
-        trailers = [bytearray(TRAILER_SIZE) for _ in keys]
-        framed = [[*target, memoryview(trailer)] for target, trailer in zip(targets, trailers)]
-        results = super()._get_into(keys, framed)
-        return [
-            hit and self._verified(key, target, trailer) for key, target, trailer, hit in zip(keys, targets, trailers, results)
-        ]
+        if not self._arena_registered:
+            self._register_arena()
+        trailers, taken = self._slots.take(len(keys))
+        try:
+            framed = [[*target, trailer] for target, trailer in zip(targets, trailers)]
+            results = super()._get_into(keys, framed)
+            return [
+                hit and self._verified(key, target, trailer)
+                for key, target, trailer, hit in zip(keys, targets, trailers, results)
+            ]
+        finally:
+            self._slots.give_back(taken)
+
+    def _register_arena(self) -> None:
+        """Register the trailer arena with the inner backend, once; a refusal only costs speed."""
+        with self._arena_registration:
+            if self._arena_registered:
+                return
+            self._arena_registered = True
+            try:
+                super()._register_buffer(self._slots.arena)
+            except StorageError as exc:
+                log.warning("%s: registering the trailer arena failed, reads may not be zero-copy: %s", self.name, exc)
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         results = super()._exists(keys)
@@ -169,7 +219,7 @@ class IntegrityWrapper(BackendWrapper):
                 results[i] = ok
         return results
 
-    def _verified(self, key: PageKey, target: Segments, trailer: bytearray) -> bool:
+    def _verified(self, key: PageKey, target: Segments, trailer: memoryview) -> bool:
         reason = check_trailer(key, target, trailer)
         if reason is None:
             self._page_sizes[key.scope] = segments_size(target)
