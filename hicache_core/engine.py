@@ -120,8 +120,10 @@ class _Live:
     node: TreeNode | None = None
     prefix_slots: torch.Tensor | None = None
     own_slots: torch.Tensor | None = None
-    storage_tokens: int | None = 0
+    storage_tokens: int = 0
+    planned_match: int = 0
     refetched: bool = False
+    pinned: TreeNode | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -209,10 +211,17 @@ class Engine:
             self._plan_prefetch(live)
         self._waiting.append(live)
 
-    def _plan_prefetch(self, live: _Live) -> None:
+    def _plan_prefetch(self, live: _Live, *, pin_prefix: bool = False) -> None:
+        """Match and plan the storage prefetch of the rest. ``pin_prefix`` (used when refetching
+        after an eviction) locks the matched prefix until the prefetch is finished, so the fetched
+        pages have something to hang from."""
         request = live.request
         match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
+        live.planned_match = match.matched_length
         live.prefetch = self.controller.plan_prefetch(request.rid, self._matchable(request), match)
+        if live.prefetch is not None and pin_prefix:
+            live.pinned = match.host_node
+            self.tree.lock(live.pinned)
         if live.prefetch is not None:
             self.controller.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
@@ -273,14 +282,16 @@ class Engine:
                 if not self.controller.prefetch_ready(op):
                     continue
                 live.prefetch = None
-                live.storage_tokens = self.controller.finish_prefetch(op)
-                if live.storage_tokens is None:
-                    # Its prefix was evicted while it waited: fetch again from the new match, once.
-                    live.storage_tokens = 0
-                    if not live.refetched:
-                        live.refetched = True
-                        self._plan_prefetch(live)
-                        continue
+                live.storage_tokens = self.controller.finish_prefetch(op) or 0
+                if live.pinned is not None:
+                    self.tree.unlock(live.pinned)
+                    live.pinned = None
+            if not live.refetched and self._prefix_lost(live):
+                # Part of its cached prefix was evicted while it waited: fetch it back, once.
+                live.refetched = True
+                self._plan_prefetch(live, pin_prefix=True)
+                if live.prefetch is not None:
+                    continue
             if self._start(live):
                 self._waiting.remove(live)
                 self._running.append(live)
@@ -298,6 +309,12 @@ class Engine:
             else:
                 break
         return admitted
+
+    def _prefix_lost(self, live: _Live) -> bool:
+        if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
+            return False
+        match = self.tree.match_prefix(self._matchable(live.request), count_host=not self.config.controller.buffer_only)
+        return match.matched_length < live.planned_match
 
     def _start(self, live: _Live) -> bool:
         """Place the request's KV (cached prefix + new slots) and prefill; False if device memory is short."""

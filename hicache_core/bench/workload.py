@@ -88,7 +88,7 @@ def run_workload(
         submit(client, 0)
     while engine.has_work():
         engine.step()
-        for result in engine.take_finished():
+        for result in engine.take_results():
             client, round_, req, submitted = pending.pop(result.rid)
             record(client, round_, req, result, submitted)
             completed_rounds[round_] += 1
