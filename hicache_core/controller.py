@@ -573,11 +573,17 @@ class CacheController:
 
     def flush(self) -> None:
         """Empty L1 and L2 (after finishing every backup); storage keeps its pages."""
-        self.drain()
-        self.metrics.add(device_evicted_tokens=self.tree.evict_device(1 << 62, self._backup_on_evict if self._write_back_to_host else None))
-        self.drain()
-        if self.host is not None:
-            self.metrics.add(host_evicted_tokens=self.tree.evict_host(1 << 62))
+        backup = self._backup_on_evict if self._write_back_to_host else None
+        while True:
+            # Write-back evictions queue backups that protect host pages (and their ancestors)
+            # until acknowledged, so alternate until a whole pass frees nothing.
+            self.drain()
+            device = self.tree.evict_device(1 << 62, backup)
+            self.drain()
+            host = self.tree.evict_host(1 << 62) if self.host is not None else 0
+            self.metrics.add(device_evicted_tokens=device, host_evicted_tokens=host)
+            if device == 0 and host == 0:
+                return
 
     @property
     def _write_back_to_host(self) -> bool:

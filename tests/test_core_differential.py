@@ -102,6 +102,8 @@ def run_l3_scenario(baseline_rounds, model: ModelConfig, layout: str, write: Wri
         # Flush L1 and L2: everything must come back from L3.
         engine.flush_cache()
         assert engine.tree.token_counts() == {"device": 0, "host": 0, "nodes": 0}
+        assert engine.device_pool.allocator.free_pages == engine.device_pool.num_pages, "device pages leaked"
+        assert engine.host_pool.allocator.free_pages == engine.host_pool.num_pages, "host pages leaked"
         flushed = engine.serve(again)
         assert_identical(expected_again, flushed)
         engine.tree.check_invariants()
