@@ -1,6 +1,6 @@
-"""Randomized configurations (page size, pool sizes, concurrency, tiers, policies, layouts) on a
-workload with a shared system prompt (so the tree splits): outputs stay bit-identical to
-recomputation, the tree keeps its invariants, and no page leaks."""
+"""Randomized configurations (page size, pool sizes, concurrency, tiers, policies, layouts,
+buffer-only mode, a flaky store) on a workload with a shared system prompt (so the tree splits):
+outputs stay bit-identical to recomputation, the tree keeps its invariants, no page leaks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, serve_conversations
 from hicache_core.model import ModelConfig
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.wrappers.faults import FaultInjectionWrapper
 
 MODEL = ModelConfig(vocab_size=128, hidden=32, layers=2, q_heads=2, kv_heads=1, head_dim=8, ffn=32, seed=7)
 NEW_TOKENS = 2
@@ -40,7 +42,9 @@ def test_random_configuration_matches_recompute(seed):
     tiers = rng.choice([CacheTiers.L1, CacheTiers.L1_L2, CacheTiers.L1_L2_L3])
     max_running = rng.randint(1, 3)
     device_pages = (longest * max_running) // page_size + rng.randint(2, 12)
+    buffer_only = tiers is CacheTiers.L1_L2_L3 and rng.random() < 0.3
     controller = ControllerConfig(
+        buffer_only=buffer_only,
         write_policy=rng.choice(list(WritePolicy)),
         prefetch=PrefetchConfig(threshold_tokens=rng.choice([1, 4, 16]), stop_policy=rng.choice(list(StopPolicy)),
                                 capacity_pages=rng.choice([None, 4, 16])),
@@ -49,9 +53,13 @@ def test_random_configuration_matches_recompute(seed):
         model=MODEL, tiers=tiers, page_size=page_size, device_pages=device_pages,
         host_pages=rng.randint(longest // page_size + 2, 3 * device_pages), host_ratio=None,
         layout=rng.choice(["page_first", "layer_first", "page_first_direct"]), controller=controller,
-        storage_backend="memory", storage_config={"store": f"random-{uuid.uuid4().hex}"}, max_running=max_running,
+        max_running=max_running,
     )
-    with Engine(config) as engine:
+    storage = MemoryBackend({"store": f"random-{uuid.uuid4().hex}"})
+    if rng.random() < 0.3:  # a flaky store: some calls raise, some pages fail
+        flaky = {"error_rate": 0.2, "errors": ["unavailable", "runtime"]}
+        storage = FaultInjectionWrapper(storage, {"seed": seed, "exists": flaky, "get": flaky, "put": flaky})
+    with Engine(config, storage=storage if tiers.storage else None) as engine:
         rounds = serve_conversations(engine, conversations, NEW_TOKENS)
         for want_round, have_round in zip(expected, rounds):
             for want, have in zip(want_round, have_round):
