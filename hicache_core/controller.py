@@ -6,12 +6,7 @@
 * **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
   thread in batches of at most ``batch_pages``; pages already stored (a live ``prefix_exists``)
   are skipped, and the first failed batch ends the operation. Only ``shard.is_writer`` ranks write.
-* **Prefetch** (storage -> host): issued for a request whose storage candidate is at least
-  ``threshold_tokens``; limited by the host pages in flight (a rate-limited request keeps its
-  place and is issued later). The prefetch thread asks ``prefix_exists``, revokes below the
-  threshold, and reads in batches. The scheduler stops it by the stop policy: ``best_effort``
-  (take what arrived), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens /
-  1024)`` seconds after issue).
+* **Prefetch** (storage -> host): see :mod:`hicache_core.prefetch` (``controller.prefetcher``).
 * **Load back** (host -> device) layer by layer; see :mod:`hicache_core.transfer`.
 * **Buffer-only**: host memory only stages pages on their way to and from storage.
 
@@ -37,13 +32,14 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.backend import StorageBackend
-from hicache_storage.errors import StorageTimeoutError
-from hicache_storage.keys import KeyScope, PageKey, page_hashes
+from hicache_storage.keys import KeyScope
 from hicache_storage.wrappers.timeout import TimeoutWrapper
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
+from hicache_core.prefetch import PrefetchConfig, Prefetcher
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
+from hicache_core.storage_calls import guarded_call, leading_successes
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad, Transfers
 
@@ -56,26 +52,6 @@ class WritePolicy(str, enum.Enum):
     WRITE_BACK = "write_back"
 
 
-class StopPolicy(str, enum.Enum):
-    BEST_EFFORT = "best_effort"
-    WAIT_COMPLETE = "wait_complete"
-    TIMEOUT = "timeout"
-
-
-@dataclass(frozen=True)
-class PrefetchConfig:
-    threshold_tokens: int = 256
-    stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
-    timeout_base_s: float = 2.0
-    timeout_per_ki_token_s: float = 0.1
-    timeout_max_s: float = 30.0
-    #: Most host pages prefetches may hold at once; default: half the host pool.
-    capacity_pages: int | None = None
-
-    def timeout_for(self, tokens: int) -> float:
-        return min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024)
-
-
 @dataclass(frozen=True)
 class ControllerConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -86,35 +62,6 @@ class ControllerConfig:
     #: Longest wait for one storage call; ``None`` trusts the backend's own timeouts (zero-copy).
     storage_timeout_s: float | None = 5.0
     kernel_backend: str | None = None
-
-
-class PrefetchState(str, enum.Enum):
-    PLANNED = "planned"  # not issued yet (rate-limited requests stay here)
-    RUNNING = "running"
-    REVOKED = "revoked"  # the store had less than the threshold
-    DONE = "done"
-    FINISHED = "finished"  # consumed by the scheduler
-
-
-@dataclass(eq=False)
-class PrefetchOp:
-    """One request's read of ``tokens[start:]`` from storage into host pages."""
-
-    request_id: str
-    tokens: list[int]
-    start: int
-    hashes: list[str]
-    state: PrefetchState = PrefetchState.PLANNED
-    host_indices: torch.Tensor | None = None
-    issued_at: float = 0.0
-    hit_pages: int = 0
-    completed_pages: int = 0
-    terminate: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def pages(self) -> int:
-        return len(self.hashes)
 
 
 @dataclass(eq=False)
@@ -156,15 +103,13 @@ class CacheController:
         self._backup_queue: queue.SimpleQueue[_BackupOp | None] = queue.SimpleQueue()
         self._backup_acks: queue.SimpleQueue[_BackupOp] = queue.SimpleQueue()
         self._backups_outstanding = 0
-        self._prefetch_queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
-        self._prefetch_pages_in_flight = 0
-        self._threads: list[threading.Thread] = []
+        self._backup_thread: threading.Thread | None = None
         self._staged_loads: list[tuple[LayerLoad, list[TreeNode]]] = []
-        if host is not None:
-            default_capacity = max(1, host.num_pages // 2)
-            self.prefetch_capacity = config.prefetch.capacity_pages or default_capacity
-        else:
-            self.prefetch_capacity = 0
+        self.prefetcher = (
+            Prefetcher(config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages)
+            if host is not None
+            else None
+        )
 
     # --- storage attachment -------------------------------------------------------------------
 
@@ -181,12 +126,10 @@ class CacheController:
         except Exception:  # registration is an optimization: a store that refuses it still works
             log.exception("registering the host pool with %s failed; continuing without", backend.name)
         self.storage, self.scope = backend, scope
-        self._threads = [
-            threading.Thread(target=self._backup_loop, args=(backend,), name="hicache-backup", daemon=True),
-            threading.Thread(target=self._prefetch_loop, args=(backend,), name="hicache-prefetch", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._backup_thread = threading.Thread(target=self._backup_loop, args=(backend,), name="hicache-backup", daemon=True)
+        self._backup_thread.start()
+        assert self.prefetcher is not None
+        self.prefetcher.start(backend, scope)
 
     def detach_storage(self) -> StorageBackend | None:
         """Stop using L3: queued backups and prefetches finish (bounded by the timeout), then the threads exit.
@@ -199,16 +142,18 @@ class CacheController:
             return None
         self.storage = None
         self._backup_queue.put(None)
-        self._prefetch_queue.put(None)
-        for thread in self._threads:
-            thread.join()
-        self._threads = []
+        assert self._backup_thread is not None and self.prefetcher is not None
+        self._backup_thread.join()
+        self._backup_thread = None
+        self.prefetcher.stop()
         self.drain()
         return backend
 
     @property
     def threads_alive(self) -> bool:
-        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+        """Whether the backup and prefetch threads both run (a storage backend is attached)."""
+        backup_alive = self._backup_thread is not None and self._backup_thread.is_alive()
+        return backup_alive and self.prefetcher is not None and self.prefetcher.thread_alive
 
     @property
     def io_pending(self) -> bool:
@@ -325,15 +270,15 @@ class CacheController:
             return
         started = time.perf_counter()
         keys = self.scope.keys(op.hashes)
-        present = self._guarded(lambda: backend.prefix_exists(keys), 0, "exists")
+        present = guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists")
         op.stored_pages = present
         self.metrics.add(storage_backup_skipped_pages=present)
         segments = self.host.segments_for(op.host_indices)
         step = self.config.batch_pages
         for begin in range(present, len(keys), step):
             batch = slice(begin, min(begin + step, len(keys)))
-            results = self._guarded(lambda: backend.put_from(keys[batch], segments[batch]), None, "put")
-            stored = _leading(results)
+            results = guarded_call(self.metrics, lambda: backend.put_from(keys[batch], segments[batch]), None, "put")
+            stored = leading_successes(results)
             op.stored_pages += stored
             self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * self.host.page_bytes)
             if results is None or stored < len(results):
@@ -348,150 +293,6 @@ class CacheController:
             self.tree.drop_host_value(node)
 
     # --- reads: storage -> host ---------------------------------------------------------------
-
-    def plan_prefetch(self, request_id: str, tokens: list[int], match: MatchResult) -> PrefetchOp | None:
-        """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold."""
-        if self.storage is None:
-            return None
-        start = match.matched_length
-        whole = (len(tokens) - start) // self.page_size
-        whole = min(whole, self.prefetch_capacity)
-        if whole * self.page_size < max(self.config.prefetch.threshold_tokens, 1):
-            return None
-        candidate = tokens[start : start + whole * self.page_size]
-        hashes = page_hashes(candidate, self.page_size, match.host_node.last_hash)
-        # The prefix is not pinned while the request waits: pinning it would hold device memory
-        # for queued requests. If it is evicted meanwhile, insert_host finds the gap and the
-        # prefetched pages are dropped (counted), never attached to the wrong place.
-        return PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes)
-
-    def try_issue(self, op: PrefetchOp) -> bool:
-        """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
-        assert op.state is PrefetchState.PLANNED
-        slots = None
-        if self._prefetch_pages_in_flight + op.pages <= self.prefetch_capacity:
-            slots = self.alloc_host(op.pages * self.page_size)
-        limited = self.tp.scheduler.all_max(int(slots is None))
-        if limited:
-            if slots is not None:
-                self.host.allocator.free(slots)  # type: ignore[union-attr]
-            self.metrics.add(prefetch_rate_limited=1)
-            return False
-        assert slots is not None and self.host is not None
-        op.host_indices = slots
-        op.issued_at = time.monotonic()
-        op.state = PrefetchState.RUNNING
-        self.host.allocator.pin_io(slots)
-        self._prefetch_pages_in_flight += op.pages
-        self.metrics.add(prefetch_issued=1)
-        if self.storage is None:  # detached meanwhile: nothing will read; release it as revoked
-            self.host.allocator.unpin_io(slots)
-            op.state = PrefetchState.REVOKED
-            op.done.set()
-        else:
-            self._prefetch_queue.put(op)
-        return True
-
-    def prefetch_ready(self, op: PrefetchOp) -> bool:
-        """Whether the request may stop waiting for ``op``, by the stop policy (agreed: MAX of 'keep waiting')."""
-        if op.state is PrefetchState.PLANNED:
-            return False
-        policy = self.config.prefetch.stop_policy
-        if policy is StopPolicy.BEST_EFFORT or op.done.is_set():
-            keep_waiting = False
-        elif policy is StopPolicy.WAIT_COMPLETE:
-            keep_waiting = True
-        else:
-            waited = time.monotonic() - op.issued_at
-            keep_waiting = waited < self.config.prefetch.timeout_for(op.pages * self.page_size)
-        return not self.tp.scheduler.all_max(int(keep_waiting))
-
-    def finish_prefetch(self, op: PrefetchOp) -> int | None:
-        """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,
-        or None when the prefix they hang from was evicted meanwhile (the pages are dropped)."""
-        inserted: int | None = 0
-        if op.state is not PrefetchState.PLANNED:
-            assert self.host is not None and op.host_indices is not None
-            op.terminate.set()
-            if not op.done.is_set():
-                self.metrics.add(prefetch_terminated_early=1)
-            completed = self.tp.scheduler.all_min(op.completed_pages)
-            used = completed * self.page_size
-            if used:
-                result = self.tree.insert_host(op.tokens[: op.start + used], op.start, op.host_indices[:used])
-                if result is None:
-                    self.metrics.add(prefetch_dropped_tokens=used)
-                    self.host.allocator.free(op.host_indices[:used])
-                    inserted = None
-                else:
-                    inserted = result.inserted_tokens
-                    for unused in result.unused:
-                        self.host.allocator.free(unused)
-            if used < op.host_indices.numel():
-                self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
-            self._prefetch_pages_in_flight -= op.pages
-        op.state = PrefetchState.FINISHED
-        return inserted
-
-    def _prefetch_loop(self, backend: StorageBackend) -> None:
-        while True:
-            op = self._prefetch_queue.get()
-            if op is None:
-                return
-            try:
-                self._run_prefetch(backend, op)
-            except Exception:
-                log.exception("prefetch for request %s failed", op.request_id)
-                self.metrics.add(storage_errors=1)
-            finally:
-                if op.state is PrefetchState.RUNNING:
-                    op.state = PrefetchState.DONE
-                op.done.set()
-
-    def _run_prefetch(self, backend: StorageBackend, op: PrefetchOp) -> None:
-        assert self.scope is not None and self.host is not None and op.host_indices is not None
-        keys: list[PageKey] = self.scope.keys(op.hashes)
-        local_hit = 0 if op.terminate.is_set() else self._guarded(lambda: backend.prefix_exists(keys), 0, "exists")
-        # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
-        op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
-        pinned_from = 0
-        try:
-            if hit * self.page_size < self.config.prefetch.threshold_tokens:
-                op.state = PrefetchState.REVOKED
-                self.metrics.add(prefetch_revoked=1)
-                return
-            started = time.perf_counter()
-            segments = self.host.segments_for(op.host_indices[: hit * self.page_size])
-            step = self.config.batch_pages
-            for begin in range(0, hit, step):
-                if op.terminate.is_set():
-                    break
-                batch = slice(begin, min(begin + step, hit))
-                results = self._guarded(lambda: backend.get_into(keys[batch], segments[batch]), None, "get")
-                got = _leading(results)
-                slot_end = (begin + got) * self.page_size
-                self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
-                pinned_from = slot_end
-                op.completed_pages += got
-                self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
-                if results is None or got < len(results):
-                    self.metrics.add(prefetch_failed_batches=1)
-                    break
-            self.metrics.add(prefetch_seconds=time.perf_counter() - started)
-        finally:
-            self.host.allocator.unpin_io(op.host_indices[pinned_from:])
-
-    def _guarded(self, call, default, operation: str):  # type: ignore[no-untyped-def]
-        """Run one storage call; any exception is logged, counted and replaced by ``default``."""
-        try:
-            return call()
-        except StorageTimeoutError as exc:
-            log.warning("storage %s timed out: %s", operation, exc)
-            self.metrics.add(storage_timeouts=1)
-        except Exception as exc:
-            log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
-            self.metrics.add(storage_errors=1)
-        return default
 
     # --- host -> device ----------------------------------------------------------------------
 
@@ -595,15 +396,3 @@ class CacheController:
             backend.close()
         if self.transfers is not None:
             self.transfers.close()
-
-
-def _leading(results: list[bool] | None) -> int:
-    """How many results, from the first, are True (reads use only the leading run of successes)."""
-    if results is None:
-        return 0
-    count = 0
-    for ok in results:
-        if not ok:
-            break
-        count += 1
-    return count

@@ -33,10 +33,11 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.registry import create_backend
 
-from hicache_core.controller import CacheController, ControllerConfig, PrefetchOp, PrefetchState
+from hicache_core.controller import CacheController, ControllerConfig
 from hicache_core.metrics import CacheMetrics
 from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool
+from hicache_core.prefetch import PrefetchOp, PrefetchState
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
@@ -218,12 +219,15 @@ class Engine:
         request = live.request
         match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
         live.planned_match = match.matched_length
-        live.prefetch = self.controller.plan_prefetch(request.rid, self._matchable(request), match)
+        prefetcher = self.controller.prefetcher
+        if prefetcher is None:
+            return
+        live.prefetch = prefetcher.plan(request.rid, self._matchable(request), match)
         if live.prefetch is not None and pin_prefix:
             live.pinned = match.host_node
             self.tree.lock(live.pinned)
         if live.prefetch is not None:
-            self.controller.try_issue(live.prefetch)  # if rate-limited, _admit retries it
+            prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
     def take_results(self) -> list[RequestResult]:
         """Results of the requests finished since the last call (for drivers using ``submit``/``step``)."""
@@ -277,12 +281,14 @@ class Engine:
                 break
             op = live.prefetch
             if op is not None:
-                if op.state is PrefetchState.PLANNED and not self.controller.try_issue(op):
+                prefetcher = self.controller.prefetcher
+                assert prefetcher is not None
+                if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
                     continue
-                if not self.controller.prefetch_ready(op):
+                if not prefetcher.ready(op):
                     continue
                 live.prefetch = None
-                live.storage_tokens = self.controller.finish_prefetch(op) or 0
+                live.storage_tokens = prefetcher.finish(op) or 0
                 if live.pinned is not None:
                     self.tree.unlock(live.pinned)
                     live.pinned = None

@@ -9,14 +9,8 @@ import uuid
 import pytest
 import torch
 
-from hicache_core.controller import (
-    CacheController,
-    ControllerConfig,
-    PrefetchConfig,
-    PrefetchState,
-    StopPolicy,
-    WritePolicy,
-)
+from hicache_core.controller import CacheController, ControllerConfig, WritePolicy
+from hicache_core.prefetch import PrefetchConfig, PrefetchState, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
 from hicache_core.model import ModelConfig
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
@@ -96,7 +90,7 @@ def test_backup_goes_in_batches_of_128_and_stops_at_the_first_failed_batch():
 
 def plan(controller: CacheController, tokens: list[int]):
     match = controller.tree.match_prefix(tokens)
-    return controller.plan_prefetch("r", tokens, match)
+    return controller.prefetcher.plan("r", tokens, match)
 
 
 def test_prefetch_below_threshold_is_revoked_and_frees_its_pages():
@@ -110,11 +104,11 @@ def test_prefetch_below_threshold_is_revoked_and_frees_its_pages():
         free_before = controller.host.allocator.free_pages
         op = plan(controller, tokens)
         assert op is not None and op.pages == 10
-        assert controller.try_issue(op)
+        assert controller.prefetcher.try_issue(op)
         op.done.wait()
         assert op.state is PrefetchState.REVOKED and op.hit_pages == 1
-        assert controller.prefetch_ready(op)
-        assert controller.finish_prefetch(op) == 0
+        assert controller.prefetcher.ready(op)
+        assert controller.prefetcher.finish(op) == 0
         assert controller.host.allocator.free_pages == free_before
         assert controller.metrics.snapshot()["prefetch_revoked"] == 1
     finally:
@@ -130,15 +124,15 @@ def test_rate_limited_prefetch_keeps_its_hit_and_runs_later():
     controller.attach_storage(backend, SCOPE)
     try:
         op1, op2 = plan(controller, first + [0]), plan(controller, second + [0])
-        assert controller.try_issue(op1)
-        assert not controller.try_issue(op2), "capacity (4 pages) is taken by the first prefetch"
-        assert op2.state is PrefetchState.PLANNED and not controller.prefetch_ready(op2)
+        assert controller.prefetcher.try_issue(op1)
+        assert not controller.prefetcher.try_issue(op2), "capacity (4 pages) is taken by the first prefetch"
+        assert op2.state is PrefetchState.PLANNED and not controller.prefetcher.ready(op2)
         op1.done.wait()
-        assert controller.finish_prefetch(op1) == 8
-        assert controller.try_issue(op2), "capacity is back: the rate-limited request is issued now"
+        assert controller.prefetcher.finish(op1) == 8
+        assert controller.prefetcher.try_issue(op2), "capacity is back: the rate-limited request is issued now"
         op2.done.wait()
-        assert controller.prefetch_ready(op2)
-        assert controller.finish_prefetch(op2) == 8, "the retried prefetch got its whole hit"
+        assert controller.prefetcher.ready(op2)
+        assert controller.prefetcher.finish(op2) == 8, "the retried prefetch got its whole hit"
         assert controller.tree.match_prefix(second).host_hit_length == 8
         assert controller.metrics.snapshot()["prefetch_rate_limited"] == 1
     finally:
@@ -161,11 +155,11 @@ def test_host_pages_under_a_hung_read_are_never_reused():
     controller.attach_storage(backend, SCOPE)
     try:
         op = plan(controller, tokens + [0])
-        assert controller.try_issue(op)
+        assert controller.prefetcher.try_issue(op)
         assert backend.get_entered.wait(30), "the prefetch thread must reach the read"
         read_pages = set(op.host_indices.tolist())
-        assert controller.prefetch_ready(op), "best effort stops waiting at once"
-        assert controller.finish_prefetch(op) == 0
+        assert controller.prefetcher.ready(op), "best effort stops waiting at once"
+        assert controller.prefetcher.finish(op) == 0
         allocator = controller.host.allocator
         assert allocator.idle_pages == 6 - len(read_pages) // 2
         taken = allocator.alloc(allocator.idle_pages * 2)

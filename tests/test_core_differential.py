@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch
 
-from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
+from hicache_core.controller import ControllerConfig, WritePolicy
+from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, RequestResult, make_conversations, serve_conversations
 from hicache_core.model import ModelConfig, ModeledCompute
 

@@ -10,7 +10,8 @@ import uuid
 import pytest
 import torch
 
-from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
+from hicache_core.controller import ControllerConfig, WritePolicy
+from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, serve_conversations
 from hicache_core.model import ModelConfig
 from hicache_storage.connectors.memory import MemoryBackend

@@ -18,7 +18,8 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     import torch.distributed as dist
-    from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy
+    from hicache_core.controller import ControllerConfig
+    from hicache_core.prefetch import PrefetchConfig, StopPolicy
     from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, make_conversations, serve_conversations
     from hicache_core.model import ModelConfig
     from hicache_core.tp import TPContext

@@ -1,0 +1,270 @@
+"""Storage -> host prefetch: plan, rate-limit, read on the prefetch thread, stop by policy.
+
+A request whose prompt continues past its cached prefix by at least ``threshold_tokens`` gets a
+:class:`PrefetchOp` for the pages after the prefix (keys continue the prefix's hash chain). The
+op is issued when the host pages it needs fit the in-flight capacity; a rate-limited op keeps
+its place and is issued on a later try. The prefetch thread asks the store ``prefix_exists``
+(live, never cached), revokes the op below the threshold, and reads in batches of at most
+``batch_pages``, each batch's leading successes only, stopping at the first failed batch. The
+scheduler stops waiting by the stop policy: ``best_effort`` (take what arrived), ``wait_complete``,
+or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds after issue), then puts the
+completed pages into the tree as host copies.
+
+Page safety: an op's host pages are pinned in the allocator until the thread is done with them,
+so pages freed by an early stop are not reused while a read may still land in them.
+
+Tensor parallelism: ranks agree on issuing (MAX of "rate-limited"), on the hit length (MIN, in
+the thread's own group, for every op in issue order, even a stopped one), on stopping (MAX of
+"keep waiting") and on the pages used (MIN).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache_storage.backend import StorageBackend
+from hicache_storage.keys import KeyScope, PageKey, page_hashes
+
+from hicache_core.metrics import CacheMetrics
+from hicache_core.pools import HostPool
+from hicache_core.radix_tree import MatchResult, RadixTree
+from hicache_core.storage_calls import guarded_call, leading_successes
+from hicache_core.tp import TPContext
+
+log = logging.getLogger(__name__)
+
+
+class StopPolicy(str, enum.Enum):
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    threshold_tokens: int = 256
+    stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
+    timeout_base_s: float = 2.0
+    timeout_per_ki_token_s: float = 0.1
+    timeout_max_s: float = 30.0
+    #: Most host pages prefetches may hold at once; default: half the host pool.
+    capacity_pages: int | None = None
+
+    def timeout_for(self, tokens: int) -> float:
+        return min(self.timeout_max_s, self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024)
+
+
+class PrefetchState(str, enum.Enum):
+    PLANNED = "planned"  # not issued yet (rate-limited requests stay here)
+    RUNNING = "running"
+    REVOKED = "revoked"  # the store had less than the threshold
+    DONE = "done"
+    FINISHED = "finished"  # consumed by the scheduler
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """One request's read of ``tokens[start:]`` from storage into host pages."""
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    hashes: list[str]
+    state: PrefetchState = PrefetchState.PLANNED
+    host_indices: torch.Tensor | None = None
+    issued_at: float = 0.0
+    hit_pages: int = 0
+    completed_pages: int = 0
+    terminate: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pages(self) -> int:
+        return len(self.hashes)
+
+
+class Prefetcher:
+    """Owns prefetch operations; the scheduler thread calls every public method, one thread reads."""
+
+    def __init__(
+        self,
+        config: PrefetchConfig,
+        tree: RadixTree,
+        host: HostPool,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        *,
+        metrics: CacheMetrics,
+        tp: TPContext,
+        batch_pages: int,
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.host = host
+        self.alloc_host = alloc_host
+        self.metrics = metrics
+        self.tp = tp
+        self.batch_pages = batch_pages
+        self.page_size = host.page_size
+        self.capacity = config.capacity_pages or max(1, host.num_pages // 2)
+        self.pages_in_flight = 0
+        self.storage: StorageBackend | None = None
+        self.scope: KeyScope | None = None
+        self._queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, backend: StorageBackend, scope: KeyScope) -> None:
+        self.storage, self.scope = backend, scope
+        self._thread = threading.Thread(target=self._loop, args=(backend,), name="hicache-prefetch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Queued reads finish (each call bounded by the storage timeout), then the thread exits."""
+        self.storage = None
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def plan(self, request_id: str, tokens: list[int], match: MatchResult) -> PrefetchOp | None:
+        """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold."""
+        if self.storage is None:
+            return None
+        start = match.matched_length
+        whole = (len(tokens) - start) // self.page_size
+        whole = min(whole, self.capacity)
+        if whole * self.page_size < max(self.config.threshold_tokens, 1):
+            return None
+        candidate = tokens[start : start + whole * self.page_size]
+        hashes = page_hashes(candidate, self.page_size, match.host_node.last_hash)
+        # The prefix is not pinned while the request waits: pinning it would hold device memory
+        # for queued requests. If it is evicted meanwhile, insert_host finds the gap and the
+        # prefetched pages are dropped (counted), never attached to the wrong place.
+        return PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes)
+
+    def try_issue(self, op: PrefetchOp) -> bool:
+        """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
+        assert op.state is PrefetchState.PLANNED
+        slots = None
+        if self.pages_in_flight + op.pages <= self.capacity:
+            slots = self.alloc_host(op.pages * self.page_size)
+        limited = self.tp.scheduler.all_max(int(slots is None))
+        if limited:
+            if slots is not None:
+                self.host.allocator.free(slots)
+            self.metrics.add(prefetch_rate_limited=1)
+            return False
+        assert slots is not None and self.host is not None
+        op.host_indices = slots
+        op.issued_at = time.monotonic()
+        op.state = PrefetchState.RUNNING
+        self.host.allocator.pin_io(slots)
+        self.pages_in_flight += op.pages
+        self.metrics.add(prefetch_issued=1)
+        if self.storage is None:  # detached meanwhile: nothing will read; release it as revoked
+            self.host.allocator.unpin_io(slots)
+            op.state = PrefetchState.REVOKED
+            op.done.set()
+        else:
+            self._queue.put(op)
+        return True
+
+    def ready(self, op: PrefetchOp) -> bool:
+        """Whether the request may stop waiting for ``op``, by the stop policy (agreed: MAX of 'keep waiting')."""
+        if op.state is PrefetchState.PLANNED:
+            return False
+        policy = self.config.stop_policy
+        if policy is StopPolicy.BEST_EFFORT or op.done.is_set():
+            keep_waiting = False
+        elif policy is StopPolicy.WAIT_COMPLETE:
+            keep_waiting = True
+        else:
+            waited = time.monotonic() - op.issued_at
+            keep_waiting = waited < self.config.timeout_for(op.pages * self.page_size)
+        return not self.tp.scheduler.all_max(int(keep_waiting))
+
+    def finish(self, op: PrefetchOp) -> int | None:
+        """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,
+        or None when the prefix they hang from was evicted meanwhile (the pages are dropped)."""
+        inserted: int | None = 0
+        if op.state is not PrefetchState.PLANNED:
+            assert self.host is not None and op.host_indices is not None
+            op.terminate.set()
+            if not op.done.is_set():
+                self.metrics.add(prefetch_terminated_early=1)
+            completed = self.tp.scheduler.all_min(op.completed_pages)
+            used = completed * self.page_size
+            if used:
+                result = self.tree.insert_host(op.tokens[: op.start + used], op.start, op.host_indices[:used])
+                if result is None:
+                    self.metrics.add(prefetch_dropped_tokens=used)
+                    self.host.allocator.free(op.host_indices[:used])
+                    inserted = None
+                else:
+                    inserted = result.inserted_tokens
+                    for unused in result.unused:
+                        self.host.allocator.free(unused)
+            if used < op.host_indices.numel():
+                self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
+            self.pages_in_flight -= op.pages
+        op.state = PrefetchState.FINISHED
+        return inserted
+
+    def _loop(self, backend: StorageBackend) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            try:
+                self._run(backend, op)
+            except Exception:
+                log.exception("prefetch for request %s failed", op.request_id)
+                self.metrics.add(storage_errors=1)
+            finally:
+                if op.state is PrefetchState.RUNNING:
+                    op.state = PrefetchState.DONE
+                op.done.set()
+
+    def _run(self, backend: StorageBackend, op: PrefetchOp) -> None:
+        assert self.scope is not None and self.host is not None and op.host_indices is not None
+        keys: list[PageKey] = self.scope.keys(op.hashes)
+        local_hit = 0 if op.terminate.is_set() else guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists")
+        # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
+        op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+        pinned_from = 0
+        try:
+            if hit * self.page_size < self.config.threshold_tokens:
+                op.state = PrefetchState.REVOKED
+                self.metrics.add(prefetch_revoked=1)
+                return
+            started = time.perf_counter()
+            segments = self.host.segments_for(op.host_indices[: hit * self.page_size])
+            step = self.batch_pages
+            for begin in range(0, hit, step):
+                if op.terminate.is_set():
+                    break
+                batch = slice(begin, min(begin + step, hit))
+                results = guarded_call(self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get")
+                got = leading_successes(results)
+                slot_end = (begin + got) * self.page_size
+                self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
+                pinned_from = slot_end
+                op.completed_pages += got
+                self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
+                if results is None or got < len(results):
+                    self.metrics.add(prefetch_failed_batches=1)
+                    break
+            self.metrics.add(prefetch_seconds=time.perf_counter() - started)
+        finally:
+            self.host.allocator.unpin_io(op.host_indices[pinned_from:])
