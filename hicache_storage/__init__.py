@@ -30,6 +30,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard, hash_page, page_hashes
 from hicache_storage.registry import create_backend, describe_backends, resolve
+from hicache_storage.wrappers import wrap
 
 __version__ = "0.1.0"
 
@@ -65,4 +66,5 @@ __all__ = [
     "hash_page",
     "page_hashes",
     "resolve",
+    "wrap",
 ]
