@@ -37,13 +37,16 @@ from hicache_storage.wrappers.timeout import TimeoutWrapper
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
-from hicache_core.prefetch import PrefetchConfig, Prefetcher
+from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
 from hicache_core.storage_calls import guarded_call, leading_successes
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad, Transfers
 
 log = logging.getLogger(__name__)
+
+# StopPolicy and PrefetchConfig live in hicache_core.prefetch; re-exported as part of the controller's config.
+__all__ = ["CacheController", "ControllerConfig", "PrefetchConfig", "StopPolicy", "WritePolicy"]
 
 
 class WritePolicy(str, enum.Enum):
