@@ -251,6 +251,14 @@ class Engine:
         if not progressed:
             time.sleep(0.0005)
 
+    def drain(self) -> None:
+        """Wait until every device -> host copy and storage backup in flight has completed.
+
+        Backups run in the background: counters such as ``storage_backup_pages`` are final only
+        after this (or ``flush_cache``, which drains first).
+        """
+        self.controller.drain()
+
     def flush_cache(self) -> None:
         """Empty L1 and L2 after finishing every backup; L3 keeps its pages. No request may be running."""
         if self.has_work():

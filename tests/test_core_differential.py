@@ -99,7 +99,10 @@ def run_l3_scenario(baseline_rounds, model: ModelConfig, layout: str, write: Wri
     with Engine(cfg) as engine:
         rounds = serve_conversations(engine, CONVERSATIONS, NEW_TOKENS)
         check_rounds(baseline_rounds, rounds)
-        assert engine.metrics.snapshot()["device_evicted_tokens"] > 0
+        engine.drain()
+        snapshot = engine.metrics.snapshot()
+        assert snapshot["device_evicted_tokens"] > 0
+        assert snapshot["storage_backup_pages"] > 0, "the run must write to L3"
         # Flush L1 and L2: everything must come back from L3.
         engine.flush_cache()
         assert engine.tree.token_counts() == {"device": 0, "host": 0, "nodes": 0}
