@@ -8,7 +8,7 @@ the benchmark's tables and logs.
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -77,6 +77,3 @@ class CacheMetrics:
         cached = data["device_hit_tokens"] + data["host_hit_tokens"] + data["storage_hit_tokens"]
         data["cache_hit_rate"] = cached / prompt if prompt else 0.0
         return data
-
-
-COUNTER_NAMES = tuple(f.name for f in fields(CacheCounters))

@@ -163,10 +163,6 @@ class PageAllocator:
                     self._free.append(page)
                     self._lock.notify_all()
 
-    def is_pinned(self, slots: torch.Tensor) -> bool:
-        with self._lock:
-            return any(page in self._pins for page in self.pages_of(slots))
-
     def pages_of(self, slots: torch.Tensor) -> list[int]:
         if slots.numel() % self.page_size:
             raise ValueError(f"{slots.numel()} slots is not a whole number of {self.page_size}-slot pages")

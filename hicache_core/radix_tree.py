@@ -61,10 +61,6 @@ class TreeNode:
         self.last_access = now
 
     @property
-    def backed_up(self) -> bool:
-        return self.host_value is not None
-
-    @property
     def last_hash(self) -> str | None:
         return self.page_hashes[-1] if self.page_hashes else None
 

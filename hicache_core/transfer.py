@@ -47,14 +47,6 @@ class LayerLoad:
         for layer in range(self.layers):
             self.wait(layer)
 
-    @classmethod
-    def done(cls, layers: int) -> LayerLoad:
-        """A load of nothing: every layer is ready."""
-        load = cls(layers, 0, cuda=False)
-        for event in load._events:
-            event.set()
-        return load
-
 
 class Transfers:
     """Runs the kernels between one device pool and one host pool."""
