@@ -191,9 +191,11 @@ class Engine:
         return KeyScope(namespace, shard, "kv")
 
     def attach_storage(self, backend: StorageBackend) -> None:
+        """Start using ``backend`` as L3 at runtime (with tensor parallelism: on every rank at once)."""
         self.controller.attach_storage(backend, self.key_scope)
 
     def detach_storage(self) -> StorageBackend | None:
+        """Stop using L3 after draining its in-flight work; returns the backend for the caller to close."""
         return self.controller.detach_storage()
 
     def serve(self, requests: Sequence[Request]) -> list[RequestResult]:
@@ -205,29 +207,13 @@ class Engine:
         return [self._done.pop(r.rid) for r in requests]
 
     def submit(self, request: Request) -> None:
+        """Queue ``request``: it is matched now and its storage prefetch issued (or planned)."""
         if request.max_new_tokens < 1 or len(request.tokens) < 1:
             raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
         live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter())
         if self.config.tiers is not CacheTiers.OFF:
             self._plan_prefetch(live)
         self._waiting.append(live)
-
-    def _plan_prefetch(self, live: _Live, *, pin_prefix: bool = False) -> None:
-        """Match and plan the storage prefetch of the rest. ``pin_prefix`` (used when refetching
-        after an eviction) locks the matched prefix until the prefetch is finished, so the fetched
-        pages have something to hang from."""
-        request = live.request
-        match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
-        live.planned_match = match.matched_length
-        prefetcher = self.controller.prefetcher
-        if prefetcher is None:
-            return
-        live.prefetch = prefetcher.plan(request.rid, self._matchable(request), match)
-        if live.prefetch is not None and pin_prefix:
-            live.pinned = match.host_node
-            self.tree.lock(live.pinned)
-        if live.prefetch is not None:
-            prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
     def take_results(self) -> list[RequestResult]:
         """Results of the requests finished since the last call (for drivers using ``submit``/``step``)."""
@@ -281,6 +267,23 @@ class Engine:
     def _matchable(self, request: Request) -> list[int]:
         """The prompt minus its last token: that one is always computed, to produce logits."""
         return list(request.tokens[:-1])
+
+    def _plan_prefetch(self, live: _Live, *, pin_prefix: bool = False) -> None:
+        """Match and plan the storage prefetch of the rest. ``pin_prefix`` (used when refetching
+        after an eviction) locks the matched prefix until the prefetch is finished, so the fetched
+        pages have something to hang from."""
+        request = live.request
+        match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
+        live.planned_match = match.matched_length
+        prefetcher = self.controller.prefetcher
+        if prefetcher is None:
+            return
+        live.prefetch = prefetcher.plan(request.rid, self._matchable(request), match)
+        if live.prefetch is not None and pin_prefix:
+            live.pinned = match.host_node
+            self.tree.lock(live.pinned)
+        if live.prefetch is not None:
+            prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
     def _admit(self) -> bool:
         admitted = False
