@@ -146,6 +146,34 @@ def test_timeout_formula_defaults():
     assert config.timeout_for(10**7) == 30.0
 
 
+@pytest.mark.parametrize("policy", [StopPolicy.TIMEOUT, StopPolicy.WAIT_COMPLETE])
+def test_timeout_policy_stops_waiting_for_a_hung_read_and_wait_complete_does_not(policy):
+    controller = make_controller(page_size=2, threshold_tokens=2, stop_policy=policy, timeout_base_s=0.0,
+                                 timeout_per_ki_token_s=0.0)
+    backend = RecordingBackend()
+    tokens = list(range(8))
+    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    backend.get_gate = threading.Event()
+    controller.attach_storage(backend, SCOPE)
+    prefetcher = controller.prefetcher
+    try:
+        op = prefetcher.plan("r", tokens + [0], controller.tree.match_prefix(tokens))
+        assert prefetcher.try_issue(op)
+        assert backend.get_entered.wait(30)
+        if policy is StopPolicy.TIMEOUT:
+            assert prefetcher.ready(op), "a zero timeout has expired while the read hangs"
+            assert prefetcher.finish(op) == 0
+        else:
+            assert not prefetcher.ready(op), "wait_complete keeps waiting while the read hangs"
+            backend.get_gate.set()
+            op.done.wait()
+            assert prefetcher.ready(op)
+            assert prefetcher.finish(op) == 8
+    finally:
+        backend.get_gate.set()
+        controller.close()
+
+
 def test_host_pages_under_a_hung_read_are_never_reused():
     controller = make_controller(page_size=2, host_pages=6, threshold_tokens=2, stop_policy=StopPolicy.BEST_EFFORT)
     backend = RecordingBackend()

@@ -30,7 +30,9 @@ LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 def config(model: ModelConfig, tiers: CacheTiers, layout: str = "page_first", write: WritePolicy = WritePolicy.WRITE_THROUGH,
            stop: StopPolicy = StopPolicy.WAIT_COMPLETE, backend: str | None = None, storage_config: dict | None = None,
            **overrides: object) -> EngineConfig:
-    controller = ControllerConfig(write_policy=write, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=stop))
+    # A generous timeout: the "timeout" policy must not expire on a loaded CI machine (expiry has its own test).
+    prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=stop, timeout_base_s=60.0)
+    controller = ControllerConfig(write_policy=write, prefetch=prefetch)
     base = dict(
         model=model, tiers=tiers, page_size=4, device_pages=36, host_pages=48, host_ratio=None, layout=layout,
         controller=controller, storage_backend=backend, storage_config=storage_config, max_running=2,

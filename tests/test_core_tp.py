@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
             name = f"{'mla' if mla else 'mha'}-{policy.value}"
             slow = {"latency_rate": 1.0, "latency_seconds": delay}
             backend = FaultInjectionWrapper(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
-            controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy))
+            controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy, timeout_base_s=60.0))
             config = EngineConfig(model=model, tiers=CacheTiers.L1_L2_L3, page_size=4, device_pages=24, host_pages=24,
                                   host_ratio=None, controller=controller, max_running=2, tp=tp)
             with Engine(config, storage=backend) as engine:
