@@ -1,0 +1,609 @@
+"""The fault matrix: whatever the storage tier does, the engine serves the tokens it would compute.
+
+Each scenario runs the reference engine (the tiny real model, deterministic) on a multi-turn
+workload whose device and host pools are too small for its history, so pages really go to and
+come back from L3, in three phases on one engine:
+
+1. **warm**: conversations A are served healthy; their pages land in L3.
+2. **fault**: L1 and L2 are flushed, then A (read back from L3) and fresh conversations B
+   (written to L3) are served while the fault is injected mid-run.
+3. **recovery**: the fault is cleared; the workload is served again (flushing L1/L2 before
+   each pass) until tokens come from L3 again.
+
+Every phase's outputs (token ids and the bits of every logit) must equal a run with HiCache off.
+Also asserted: the engine never raises, the controller's backup and prefetch threads stay alive,
+every request finishes within a generous bound derived from the configured storage timeout
+(:func:`latency_bound`; no tight timing threshold), L3 hits resume after the fault clears, and the
+counters show what happened. Servers that are killed or frozen are this module's own instances,
+never the session fixtures'.
+
+Set ``HICACHE_FAULT_REPORT=<file>`` to append each scenario's figures as a JSON line (the
+figures in docs/reliability.md come from such a run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from connector_matrix import connector_config
+from hicache_core import (
+    CacheTiers,
+    ControllerConfig,
+    Engine,
+    EngineConfig,
+    ModelConfig,
+    PrefetchConfig,
+    Request,
+    RequestResult,
+    StopPolicy,
+    make_conversations,
+)
+from hicache_storage import KeyScope, Namespace, create_backend
+from hicache_storage.backend import StorageBackend
+from hicache_storage.keys import PageKey
+from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
+from hicache_storage.wrappers.base import BackendWrapper
+from hicache_storage.wrappers.faults import ERROR_KINDS
+
+MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
+WARM = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
+FRESH = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=6)
+WORKLOAD = WARM + FRESH
+NEW_TOKENS = 3
+PAGE_SIZE = 4
+#: The engine's storage timeout (``ControllerConfig.storage_timeout_s``): 1 s, 3 s for S3, whose
+#: healthy batches of puts can take over a second on a loaded 2-core machine.
+STORAGE_TIMEOUT_S = 1.0
+STORAGE_TIMEOUT_S_BY_CONNECTOR = {"s3": 3.0}
+MAX_RUNNING = 2
+
+
+def latency_bound(timeout_s: float) -> float:
+    """A request waits at most for the prefetches queued ahead of it (one per request of its round,
+    each an exists and one read call) and, once, a refetch; each call is bounded by the timeout
+    wrapper at twice its timeout (waiting for a worker, then for the call). Doubled again, plus
+    compute slack on a loaded 2-core machine: generous on purpose."""
+    return 2 * (len(WORKLOAD) * 2 * 2 * timeout_s * 2) + 30.0
+
+RECOVERY_PASSES = 4
+
+pytestmark = pytest.mark.slow
+
+
+def engine_config(tiers: CacheTiers = CacheTiers.L1_L2_L3, timeout_s: float = STORAGE_TIMEOUT_S) -> EngineConfig:
+    controller = ControllerConfig(
+        prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
+        storage_timeout_s=timeout_s,
+    )
+    return EngineConfig(
+        model=MODEL, tiers=tiers, page_size=PAGE_SIZE, device_pages=36, host_pages=48, host_ratio=None,
+        controller=controller, max_running=MAX_RUNNING,
+    )
+
+
+def serve(engine: Engine, conversations: list[list[list[int]]], tag: str,
+          during: Callable[[], None] | None = None) -> list[RequestResult]:
+    """Multi-turn serving (one barrier per round) through submit/step, calling ``during`` after
+    every step so a fault can be injected mid-run. Results in (round, conversation) order."""
+    histories: list[list[int]] = [[] for _ in conversations]
+    out: list[RequestResult] = []
+    for r in range(max(len(c) for c in conversations)):
+        requests = [(c, Request(f"{tag}-c{c}-r{r}", histories[c] + list(turns[r]), NEW_TOKENS))
+                    for c, turns in enumerate(conversations) if r < len(turns)]
+        for _, request in requests:
+            engine.submit(request)
+        done: dict[str, RequestResult] = {}
+        while engine.has_work():
+            engine.step()
+            if during is not None:
+                during()
+            done.update((res.rid, res) for res in engine.take_results())
+        done.update((res.rid, res) for res in engine.take_results())
+        for c, request in requests:
+            histories[c] = request.tokens + done[request.rid].output_ids
+            out.append(done[request.rid])
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, list[RequestResult]]:
+    """HiCache off: what every cached run must reproduce bit for bit."""
+    with Engine(engine_config(CacheTiers.OFF)) as engine:
+        return {"warm": serve(engine, WARM, "off"), "workload": serve(engine, WORKLOAD, "off")}
+
+
+def wrong_outputs(expected: list[RequestResult], got: list[RequestResult]) -> tuple[int, int]:
+    """(token ids that differ, requests whose logits differ in any bit)."""
+    assert len(expected) == len(got)
+    tokens = logits = 0
+    for want, have in zip(expected, got):
+        tokens += sum(a != b for a, b in zip(want.output_ids, have.output_ids)) + abs(len(want.output_ids) - len(have.output_ids))
+        assert want.logits is not None and have.logits is not None
+        same = want.logits.shape == have.logits.shape and torch.equal(want.logits.view(torch.int32), have.logits.view(torch.int32))
+        logits += not same
+    return tokens, logits
+
+
+@dataclass
+class Figures:
+    scenario: str
+    connector: str
+    wrong_tokens: int = 0
+    wrong_logits: int = 0
+    crashes: int = 0
+    max_latency_s: float = 0.0
+    recovery_s: float = 0.0
+    recovery_passes: int = 0
+    storage_errors: int = 0
+    storage_timeouts: int = 0
+    failed_batches: int = 0
+    storage_hit_tokens_after: int = 0
+    storage_timeout_s: float = STORAGE_TIMEOUT_S
+    latency_bound_s: float = 0.0
+    notes: str = ""
+
+    def report(self) -> None:
+        path = os.environ.get("HICACHE_FAULT_REPORT")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(asdict(self)) + "\n")
+
+
+def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, list[RequestResult]],
+                 inject: Callable[[], None], clear: Callable[[], None],
+                 notes: Callable[[], str] | None = None) -> None:
+    """The three phases (see the module docstring); ``notes`` adds details to the report."""
+    figures.storage_timeout_s = STORAGE_TIMEOUT_S_BY_CONNECTOR.get(figures.connector, STORAGE_TIMEOUT_S)
+    figures.latency_bound_s = latency_bound(figures.storage_timeout_s)
+    try:
+        engine = Engine(engine_config(timeout_s=figures.storage_timeout_s), storage=storage)
+    except BaseException:
+        storage.close()
+        raise
+    with engine:
+        warm = serve(engine, WARM, "warm")
+        assert wrong_outputs(baseline["warm"], warm) == (0, 0), "healthy warm-up differs from recompute"
+        engine.flush_cache()  # also waits for the warm-up's backups
+        assert engine.metrics.snapshot()["storage_backup_pages"] > 0, "the warm-up must write to L3"
+        before = engine.metrics.snapshot()
+        injected: list[float] = []
+
+        def maybe_inject() -> None:
+            if not injected and engine.metrics.snapshot()["prefetch_issued"] > before["prefetch_issued"]:
+                injected.append(time.monotonic())
+                inject()
+
+        faulted = serve(engine, WORKLOAD, "fault", maybe_inject)
+        assert injected, "the fault was never injected: no prefetch was issued"
+        figures.wrong_tokens, figures.wrong_logits = wrong_outputs(baseline["workload"], faulted)
+        figures.max_latency_s = max(r.latency_s for r in faulted)
+        assert engine.controller.threads_alive, "a controller thread died during the fault"
+        clear()
+        cleared = time.monotonic()
+        for attempt in range(1, RECOVERY_PASSES + 1):
+            engine.flush_cache()
+            again = serve(engine, WORKLOAD, f"recover{attempt}")
+            wrong = wrong_outputs(baseline["workload"], again)
+            figures.wrong_tokens += wrong[0]
+            figures.wrong_logits += wrong[1]
+            figures.max_latency_s = max(figures.max_latency_s, *(r.latency_s for r in again))
+            hits = sum(r.cached_storage for r in again)
+            if hits > 0:
+                figures.recovery_s = time.monotonic() - cleared
+                figures.recovery_passes = attempt
+                figures.storage_hit_tokens_after = hits
+                break
+        after = engine.metrics.snapshot()
+        figures.storage_errors = int(after["storage_errors"] - before["storage_errors"])
+        figures.storage_timeouts = int(after["storage_timeouts"] - before["storage_timeouts"])
+        figures.failed_batches = int(after["storage_backup_failed_batches"] + after["prefetch_failed_batches"]
+                                     - before["storage_backup_failed_batches"] - before["prefetch_failed_batches"])
+        assert engine.controller.threads_alive, "a controller thread died after the fault"
+        engine.tree.check_invariants()
+    if notes is not None:
+        figures.notes = notes()
+    figures.report()
+    assert (figures.wrong_tokens, figures.wrong_logits) == (0, 0), f"{figures}"
+    assert figures.max_latency_s < figures.latency_bound_s, (
+        f"a request took {figures.max_latency_s:.1f}s (bound {figures.latency_bound_s:.0f}s): the timeout policy did not hold"
+    )
+    assert figures.storage_hit_tokens_after > 0, f"L3 hits did not resume within {RECOVERY_PASSES} passes after the fault cleared"
+
+
+# --- servers of our own, to kill and freeze ---------------------------------------------------
+
+
+@pytest.fixture
+def own_server(request, tmp_path) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+    """A fresh server of the parametrized kind (never a session fixture's), with a connector config."""
+    kind = request.param
+    if kind == "redis":
+        from hicache_storage.testing.redis_server import RedisServer
+
+        server = RedisServer()
+        server.start()
+        config = {"url": server.url, "prefix": "faults", "socket_timeout": 2.0, "connect_timeout": 1.0}
+        name = "redis"
+    elif kind == "s3":
+        from hicache_storage.testing.seaweedfs import SeaweedFS
+
+        server = SeaweedFS()
+        server.start()
+        config = {
+            "bucket": server.bucket, "endpoint_url": server.endpoint_url, "region": server.region,
+            "access_key_id": server.access_key, "secret_access_key": server.secret_key, "prefix": "faults/",
+            "connect_timeout": 1.0, "read_timeout": 2.0, "max_attempts": 1,
+        }
+        name = "s3"
+    else:
+        from hicache_storage.testing.mooncake_master import MooncakeMaster
+
+        server = MooncakeMaster()
+        server.start()
+        config = {**server.client_config(), "key_prefix": f"faults{uuid.uuid4().hex[:6]}/"}
+        name = "mooncake"
+    try:
+        yield server, name, config
+    finally:
+        server.thaw()
+        server.stop()
+
+
+SERVERS = ["redis", "s3", "mooncake"]
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("own_server", SERVERS, indirect=True)
+def test_server_killed_mid_run_and_restarted(own_server, baseline):
+    server, name, config = own_server
+    figures = Figures("server SIGKILLed mid-run, restarted later", name)
+    run_scenario(figures, create_backend(name, config), baseline, server.kill, server.restart)
+    assert figures.storage_errors + figures.storage_timeouts > 0, "the dead server went uncounted"
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("own_server", SERVERS, indirect=True)
+def test_server_frozen_mid_run_then_thawed(own_server, baseline):
+    server, name, config = own_server
+    figures = Figures("server frozen (SIGSTOP) mid-run, then thawed", name)
+    run_scenario(figures, create_backend(name, config), baseline, server.freeze, server.thaw)
+    assert figures.storage_timeouts > 0, "calls into a frozen server must time out and be counted"
+
+
+# --- the file connector: a full disk, corrupted files, a killed writer -------------------------
+
+
+@pytest.fixture
+def small_filesystem(tmp_path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for this test (needs root; a test that cannot mount fails, it does not skip)."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount)], check=True, capture_output=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+
+
+def test_disk_full_under_file_connector(small_filesystem, baseline):
+    root = small_filesystem / "kv"
+    filler = small_filesystem / "filler"
+    storage = create_backend("file", {"root": str(root)})
+
+    def fill() -> None:
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        chunk = b"\0" * 65536
+        try:
+            while True:
+                os.write(fd, chunk)
+        except OSError:
+            pass  # ENOSPC: the disk is full now
+        finally:
+            os.close(fd)
+
+    figures = Figures("disk full (tmpfs filled mid-run, then freed)", "file")
+    run_scenario(figures, storage, baseline, fill, lambda: filler.unlink(),
+                 lambda: f"{storage.stats()['puts_no_space']} page writes refused for lack of space")
+    assert storage.stats()["puts_no_space"] > 0, "no write met the full disk"
+    assert figures.failed_batches > 0, "backups refused by a full disk must count as failed batches"
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and ".tmp" not in p.parts and p.name != "namespace.json")
+
+
+def flip_middle_byte(data: bytearray) -> None:
+    data[len(data) // 3] ^= 0x40  # an exponent bit of some float: a large, visible change
+
+
+def corrupt_files(root: Path) -> int:
+    """Flip one byte in every other page file, keeping its length (the length check cannot see it)."""
+    files = page_files(root)[::2]
+    for path in files:
+        data = bytearray(path.read_bytes())
+        flip_middle_byte(data)
+        with open(path, "r+b") as f:
+            f.write(data)
+    return len(files)
+
+
+def test_corrupted_files_with_integrity_are_misses(tmp_path, baseline):
+    root = tmp_path / "kv"
+    integrity = IntegrityWrapper(create_backend("file", {"root": str(root)}))
+    corrupted: list[int] = []
+    figures = Figures("stored bytes corrupted behind the SDK (integrity on)", "file")
+    run_scenario(figures, integrity, baseline, lambda: corrupted.append(corrupt_files(root)), lambda: None,
+                 lambda: corruption_notes(corrupted, integrity))
+    assert corrupted[0] > 0
+    assert integrity_misses(integrity) > 0, "corrupted pages were read but integrity saw nothing"
+
+
+def integrity_misses(integrity: IntegrityWrapper) -> int:
+    return sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
+
+
+def corruption_notes(corrupted: list[int], integrity: IntegrityWrapper) -> str:
+    return f"{corrupted[0]} stored pages corrupted; {integrity_misses(integrity)} integrity misses"
+
+
+def test_corrupted_files_without_integrity_are_served(tmp_path, baseline):
+    """Why docs/reliability.md recommends integrity: a same-length corruption passes the file
+    connector's length check, and its bytes are served as KV: outputs change."""
+    root = tmp_path / "kv"
+    with Engine(engine_config(), storage=create_backend("file", {"root": str(root)})) as engine:
+        serve(engine, WARM, "warm")
+        engine.flush_cache()
+        assert corrupt_files(root) > 0
+        got = serve(engine, WARM, "corrupt")
+        assert sum(r.cached_storage for r in got) > 0
+    wrong_tokens, wrong_logits = wrong_outputs(baseline["warm"], got)
+    Figures("stored bytes corrupted behind the SDK (no integrity)", "file", wrong_tokens, wrong_logits,
+            notes="expected: corruption served as KV").report()
+    assert wrong_logits > 0, "corrupted KV was read from L3 yet every logit matched: the corruption was not exercised"
+
+
+def _raw_redis(url: str):  # type: ignore[no-untyped-def]
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+@pytest.mark.services
+def test_corrupted_redis_values_with_integrity_are_misses(request, tmp_path, baseline):
+    name, config = connector_config(request, "redis", tmp_path)
+    integrity = IntegrityWrapper(create_backend(name, config))
+    client = _raw_redis(config["url"])
+    corrupted: list[int] = []
+
+    def corrupt() -> None:
+        keys = sorted(client.scan_iter(match=f"{config['prefix']}*", count=1000))[::2]
+        for key in keys:
+            value = bytearray(client.get(key))
+            flip_middle_byte(value)
+            client.set(key, bytes(value))
+        corrupted.append(len(keys))
+
+    figures = Figures("stored bytes corrupted behind the SDK (integrity on)", "redis")
+    run_scenario(figures, integrity, baseline, corrupt, lambda: None, lambda: corruption_notes(corrupted, integrity))
+    client.close()
+    assert corrupted[0] > 0
+    assert integrity_misses(integrity) > 0
+
+
+@pytest.mark.services
+def test_corrupted_s3_objects_with_integrity_are_misses(request, tmp_path, baseline):
+    name, config = connector_config(request, "s3", tmp_path)
+    integrity = IntegrityWrapper(create_backend(name, config))
+    client = request.getfixturevalue("seaweedfs").client()
+    corrupted: list[int] = []
+
+    def corrupt() -> None:
+        listed = client.list_objects_v2(Bucket=config["bucket"], Prefix=config["prefix"])
+        keys = sorted(o["Key"] for o in listed.get("Contents", []) if not o["Key"].endswith(".json"))[::2]
+        for key in keys:
+            value = bytearray(client.get_object(Bucket=config["bucket"], Key=key)["Body"].read())
+            flip_middle_byte(value)
+            client.put_object(Bucket=config["bucket"], Key=key, Body=bytes(value))
+        corrupted.append(len(keys))
+
+    figures = Figures("stored bytes corrupted behind the SDK (integrity on)", "s3")
+    run_scenario(figures, integrity, baseline, corrupt, lambda: None, lambda: corruption_notes(corrupted, integrity))
+    assert corrupted[0] > 0
+    assert integrity_misses(integrity) > 0
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from hicache_storage import KeyScope, Namespace, create_backend
+    root, size = sys.argv[1], int(sys.argv[2])
+    scope = KeyScope(Namespace("torn", "float32", 64, "page_first"))
+    store = create_backend("file", {"root": root})
+    pages = [bytes([n]) * size for n in (0xA1, 0xB2)]
+    n = 0
+    print("ready", flush=True)
+    while True:
+        store.put([scope.key(f"{k:064x}") for k in range(4)], [pages[n % 2]] * 4)
+        n += 1
+    """
+)
+
+
+def test_writer_killed_mid_page_never_serves_a_torn_page(tmp_path):
+    """A process rewriting 8 MiB pages through the file connector is SIGKILLed at random moments;
+    every read afterwards is a miss or one whole page, and the killed writer's temp file goes."""
+    root = tmp_path / "kv"
+    size = 8 * 2**20
+    scope = KeyScope(Namespace("torn", "float32", 64, "page_first"))
+    keys = [scope.key(f"{k:064x}") for k in range(4)]
+    whole = {bytes([0xA1]) * size, bytes([0xB2]) * size}
+    kills = mid_page = torn = 0
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(8):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(size)], stdout=subprocess.PIPE)
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == b"ready"
+            time.sleep(0.05 + 0.3 * float(torch.rand(1, generator=gen)))
+        finally:
+            writer.kill()
+            writer.wait()
+        kills += 1
+        mid_page += any((root / ".tmp").iterdir())  # a temp file left behind: it died inside a page write
+        with create_backend("file", {"root": str(root)}) as store:  # starting cleans the dead writer's temp files
+            assert not any((root / ".tmp").iterdir()), "a new backend must remove a killed writer's temp files"
+            for value in store.get(keys, size):
+                torn += value is not None and value not in whole
+    Figures("writer SIGKILLed in the middle of a page", "file", notes=f"{kills} kills, {mid_page} inside a page write, {torn} torn pages served").report()
+    assert torn == 0, f"{torn} torn pages were served"
+    assert mid_page > 0, "no kill landed inside a page write: the scenario was not exercised"
+
+
+ENGINE_WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from test_fault_matrix import Engine, engine_config, serve, WORKLOAD
+    from hicache_storage import create_backend
+    with Engine(engine_config(), storage=create_backend("file", {"root": sys.argv[1]})) as engine:
+        while True:
+            serve(engine, WORKLOAD, "child")
+            engine.flush_cache()
+    """
+)
+
+
+def test_engine_killed_while_writing_then_served_from_its_pages(tmp_path, baseline):
+    """An engine process is SIGKILLed while it backs pages up; a new engine on the same root serves
+    bit-identical outputs and reads the pages the dead one published."""
+    root = tmp_path / "kv"
+    child = subprocess.Popen([sys.executable, "-c", ENGINE_WRITER, str(root), str(Path(__file__).parent)])
+    try:
+        deadline = time.monotonic() + 120
+        while (len(page_files(root)) if root.exists() else 0) < 20:
+            assert child.poll() is None, "the writer engine exited"
+            assert time.monotonic() < deadline, "the writer engine published no pages"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    figures = Figures("engine process SIGKILLed while writing; a new engine reads its pages", "file")
+    started = time.monotonic()
+    with Engine(engine_config(), storage=create_backend("file", {"root": str(root)})) as engine:
+        got = serve(engine, WORKLOAD, "after-kill")
+        figures.wrong_tokens, figures.wrong_logits = wrong_outputs(baseline["workload"], got)
+        figures.max_latency_s = max(r.latency_s for r in got)
+        figures.storage_hit_tokens_after = sum(r.cached_storage for r in got)
+        figures.recovery_s = time.monotonic() - started
+        assert engine.controller.threads_alive
+    figures.report()
+    assert (figures.wrong_tokens, figures.wrong_logits) == (0, 0)
+    assert figures.storage_hit_tokens_after > 0, "the dead engine's published pages were not used"
+
+
+# --- faults the store cannot be made to show on demand: a wrapper over the real store ----------
+
+
+class DeleteAfterExists(BackendWrapper):
+    """Once armed, deletes (through the real store) the second half of the pages ``exists`` just
+    reported, so the reads that follow find them gone: a page evicted between exists and get."""
+
+    kind = "delete-after-exists"
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.armed = threading.Event()
+        self.deleted = 0
+
+    def _exists(self, keys: list[PageKey]) -> list[bool]:
+        results = super()._exists(keys)
+        if self.armed.is_set():
+            present = [k for k, hit in zip(keys, results) if hit]
+            gone = present[len(present) // 2 :]
+            if gone:
+                self.deleted += sum(self.inner.delete(gone))
+        return results
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("label", ["file", "redis"])
+def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label):
+    name, config = connector_config(request, label, tmp_path)
+    store = DeleteAfterExists(create_backend(name, config))
+    figures = Figures("page deleted between exists and get", label)
+    run_scenario(figures, store, baseline, store.armed.set, store.armed.clear,
+                 lambda: f"{store.deleted} pages deleted after exists")
+    assert store.deleted > 0, "no page was deleted under a reader"
+    assert figures.failed_batches > 0, "reads that found pages gone must count as failed batches"
+
+
+@pytest.mark.services
+def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
+    name, config = connector_config(request, "redis", tmp_path)
+    faults = FaultInjectionWrapper(create_backend(name, config), {"seed": 1})
+    miscount = FaultInjectionWrapper(faults.inner, {
+        "seed": 1,
+        "exists": {"wrong_count_rate": 1.0},
+        "get": {"wrong_count_rate": 1.0},
+        "put": {"wrong_count_rate": 1.0},
+    })
+    switch = Switch(faults, miscount)
+    figures = Figures("backend returns the wrong number of results", "redis")
+    run_scenario(figures, switch, baseline, switch.on, switch.off,
+                 lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count")
+    assert miscount.stats()["faults_wrong_count"] > 0
+    assert figures.storage_errors > 0, "contract violations must be counted as storage errors"
+
+
+class Switch(BackendWrapper):
+    """Routes every call to ``healthy`` or, while on, to ``faulty`` (both over the same store)."""
+
+    kind = "switch"
+
+    def __init__(self, healthy: StorageBackend, faulty: StorageBackend) -> None:
+        super().__init__(healthy)
+        self.healthy, self.faulty = healthy, faulty
+        self.active = healthy
+
+    def on(self) -> None:
+        self.active = self.faulty
+
+    def off(self) -> None:
+        self.active = self.healthy
+
+    def _exists(self, keys: list[PageKey]) -> list[bool]:
+        return self.active._exists(keys)
+
+    def _get_into(self, keys, targets):  # type: ignore[no-untyped-def]
+        return self.active._get_into(keys, targets)
+
+    def _put_from(self, keys, sources):  # type: ignore[no-untyped-def]
+        return self.active._put_from(keys, sources)
+
+
+@pytest.mark.parametrize("kind", list(ERROR_KINDS))
+def test_every_error_kind(tmp_path, baseline, kind):
+    inner = create_backend("file", {"root": str(tmp_path / "kv")})
+    erring = FaultInjectionWrapper(inner, {
+        "seed": 2,
+        **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")},
+    })
+    switch = Switch(FaultInjectionWrapper(inner, {"seed": 2}), erring)
+    figures = Figures(f"every call raises: {kind} ({ERROR_KINDS[kind].__name__})", "file")
+    run_scenario(figures, switch, baseline, switch.on, switch.off,
+                 lambda: f"{erring.stats()['faults_error']} calls raised {kind}")
+    assert erring.stats()["faults_error"] > 0
+    assert figures.storage_errors + figures.storage_timeouts > 0, f"{kind} errors went uncounted"
