@@ -427,6 +427,46 @@ def test_corrupted_s3_objects_with_integrity_are_misses(request, tmp_path, basel
     assert integrity_misses(integrity) > 0
 
 
+class RecordPuts(BackendWrapper):
+    """Remembers the keys stored through it, for a test to find them in a store it cannot list."""
+
+    kind = "record-puts"
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.stored: list[PageKey] = []
+
+    def _put_from(self, keys: list[PageKey], sources):  # type: ignore[no-untyped-def]
+        results = super()._put_from(keys, sources)
+        self.stored += [key for key, ok in zip(keys, results) if ok]
+        return results
+
+
+@pytest.mark.services
+def test_corrupted_mooncake_objects_with_integrity_are_misses(request, tmp_path, baseline):
+    """Mooncake cannot list its keys: they are recorded on the way in, then each is read, flipped
+    and upserted through the connector's own MooncakeDistributedStore client, behind the SDK."""
+    name, config = connector_config(request, "mooncake", tmp_path)
+    connector = create_backend(name, config)
+    recorder = RecordPuts(connector)
+    integrity = IntegrityWrapper(recorder)
+    corrupted: list[int] = []
+
+    def corrupt() -> None:
+        raw = connector._store  # the raw client, bypassing every SDK layer
+        names = sorted({connector._object_key(key) for key in recorder.stored})[::2]
+        for object_name in names:
+            value = bytearray(raw.get(object_name))
+            flip_middle_byte(value)
+            assert raw.upsert(object_name, bytes(value)) == 0
+        corrupted.append(len(names))
+
+    figures = Figures("stored bytes corrupted behind the SDK (integrity on)", "mooncake")
+    run_scenario(figures, integrity, baseline, corrupt, lambda: None, lambda: corruption_notes(corrupted, integrity))
+    assert corrupted[0] > 0
+    assert integrity_misses(integrity) > 0
+
+
 WRITER = textwrap.dedent(
     """
     import sys
@@ -540,7 +580,7 @@ class DeleteAfterExists(BackendWrapper):
 
 
 @pytest.mark.services
-@pytest.mark.parametrize("label", ["file", "redis"])
+@pytest.mark.parametrize("label", ["file", "redis", "s3", "mooncake"])
 def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label):
     name, config = connector_config(request, label, tmp_path)
     store = DeleteAfterExists(create_backend(name, config))
