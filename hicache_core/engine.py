@@ -227,14 +227,18 @@ class Engine:
     def step(self) -> None:
         """One scheduling round: apply finished I/O, admit ready requests (prefill), decode one token each."""
         self.controller.poll()
-        progressed = self._admit()
+        admitted = self._admit()
+        decoded = False
         for live in list(self._running):
             if id(live) in self._prefilled:
                 self._prefilled.discard(id(live))
                 continue
             self._decode(live)
-            progressed = True
-        if not progressed:
+            decoded = True
+        if decoded and self.config.compute is not None:
+            # Continuous batching: one decode step serves every running request at once.
+            time.sleep(self.config.compute.decode_seconds())
+        if not (admitted or decoded):
             time.sleep(0.0005)
 
     def drain(self) -> None:
@@ -406,12 +410,12 @@ class Engine:
             return
         compute = self.config.compute
         assert compute is not None
-        layers = self.config.model.layers
-        per_layer = (compute.prefill_seconds(len(tokens)) if prefill else compute.decode_seconds()) / layers
-        for layer in range(layers):
-            if load is not None:
-                load.wait(layer)
-            time.sleep(per_layer)
+        if prefill:  # a decode step's cost is charged once per step, for the whole batch (see step)
+            per_layer = compute.prefill_seconds(len(tokens)) / self.config.model.layers
+            for layer in range(self.config.model.layers):
+                if load is not None:
+                    load.wait(layer)
+                time.sleep(per_layer)
         seed = (sum(tokens[-4:]) * 31 + length) % self.config.model.vocab_size
         live.result.output_ids.append(seed)
 

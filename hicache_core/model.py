@@ -216,6 +216,7 @@ class ModeledCompute:
     """
 
     prefill_tokens_per_s: float = 12_000.0
+    #: One decode step of the whole running batch (continuous batching), not of one request.
     decode_step_s: float = 0.012
 
     def prefill_seconds(self, new_tokens: int) -> float:

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install, then run the conformance suite on the embedded file
-# connector (no services needed) and write its report under results/.
+# The main job on a fresh machine: install, then run the multi-turn benchmark (L1 vs L1+L2 vs
+# L1+L2+L3) on the embedded default backend (the file connector in a temporary directory; no
+# services needed). Writes results/bench.{json,md,png}. Extra arguments go to `hicache-storage bench`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-root=$(mktemp -d)
-trap 'rm -rf "$root"' EXIT
-hicache-storage conformance file --config "{\"root\": \"$root\"}" --report-dir results/conformance
+exec hicache-storage bench --out results "$@"

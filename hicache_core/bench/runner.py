@@ -23,15 +23,15 @@ from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig
 from hicache_core.model import ModelConfig, ModeledCompute
 
-#: The modeled GPU: an NVIDIA L4 (24 GB) serving a Llama-3.1-8B-shaped model in bf16.
-#: Prefill: 8B params x 2 FLOP/token = 16 GFLOP/token; L4 dense bf16 ~121 TFLOP/s at ~50% MFU
-#: gives ~3,800 tokens/s. Decode: one step reads the 16 GB of weights at ~300 GB/s: ~55 ms.
-L4_PREFILL_TOKENS_PER_S = 3_800.0
-L4_DECODE_STEP_S = 0.055
-#: Llama-3.1-8B's KV shape: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token.
-LLAMA8B_LAYERS, LLAMA8B_KV_HEADS, LLAMA8B_HEAD_DIM = 32, 8, 128
+#: The modeled deployment: Qwen2.5-7B-Instruct with an FP8 KV cache on one NVIDIA L4 (24 GB).
+#: Prefill: 7.6B params x 2 FLOP/token = 15.2 GFLOP/token; L4 dense bf16 ~121 TFLOP/s at ~50% MFU
+#: gives ~4,000 tokens/s. Decode: one step reads ~15 GB of weights at ~300 GB/s: ~50 ms.
+L4_PREFILL_TOKENS_PER_S = 4_000.0
+L4_DECODE_STEP_S = 0.050
+#: Qwen2.5-7B's KV shape: 28 layers x 4 KV heads x 128 dims; FP8 -> 28 KiB per token.
+QWEN7B_LAYERS, QWEN7B_KV_HEADS, QWEN7B_HEAD_DIM, QWEN7B_KV_DTYPE = 28, 4, 128, "float8_e4m3fn"
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 TIER_CHOICES = {tier.value: tier for tier in CacheTiers}
 
 
@@ -43,14 +43,14 @@ class BenchConfig:
     model: str = "modeled"
     prefill_tokens_per_s: float = L4_PREFILL_TOKENS_PER_S
     decode_step_s: float = L4_DECODE_STEP_S
-    layers: int = LLAMA8B_LAYERS
-    kv_heads: int = LLAMA8B_KV_HEADS
-    head_dim: int = LLAMA8B_HEAD_DIM
-    dtype: str = "bfloat16"
+    layers: int = QWEN7B_LAYERS
+    kv_heads: int = QWEN7B_KV_HEADS
+    head_dim: int = QWEN7B_HEAD_DIM
+    dtype: str = QWEN7B_KV_DTYPE
     page_size: int = 64
     #: Device (L1) capacity in tokens; the host pool (L2) is ``host_ratio`` times that.
-    device_tokens: int = 4096
-    host_ratio: float = 2.0
+    device_tokens: int = 12288
+    host_ratio: float = 1.0
     layout: str = "page_first"
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
@@ -59,15 +59,17 @@ class BenchConfig:
     backend: str | None = None
     backend_config: dict[str, Any] | None = None
 
-    def engine_config(self, tiers: CacheTiers, storage_root: str | None) -> EngineConfig:
+    def model_and_compute(self) -> tuple[ModelConfig, ModeledCompute | None]:
+        """The model whose KV the pools hold, and the modeled cost replacing its forward pass (if any)."""
         if self.model == "reference":
-            model = ModelConfig()
-            compute = None
-        elif self.model == "modeled":
+            return ModelConfig(), None
+        if self.model == "modeled":
             model = ModelConfig(layers=self.layers, kv_heads=self.kv_heads, q_heads=self.kv_heads, head_dim=self.head_dim, dtype=DTYPES[self.dtype])
-            compute = ModeledCompute(self.prefill_tokens_per_s, self.decode_step_s)
-        else:
-            raise ValueError(f"model must be 'reference' or 'modeled', got {self.model!r}")
+            return model, ModeledCompute(self.prefill_tokens_per_s, self.decode_step_s)
+        raise ValueError(f"model must be 'reference' or 'modeled', got {self.model!r}")
+
+    def engine_config(self, tiers: CacheTiers, storage_root: str | None) -> EngineConfig:
+        model, compute = self.model_and_compute()
         if self.device_tokens % self.page_size:
             raise ValueError(f"device_tokens ({self.device_tokens}) must be a multiple of page_size ({self.page_size})")
         backend, backend_config = self.backend, self.backend_config
@@ -92,10 +94,7 @@ class BenchConfig:
         )
 
     def kv_bytes_per_token(self) -> int:
-        if self.model == "reference":
-            geometry = ModelConfig().geometry
-            return 2 * geometry.layers * geometry.heads * geometry.head_dim * torch.tensor([], dtype=geometry.dtype).element_size()
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+        return self.model_and_compute()[0].geometry.token_bytes
 
 
 @dataclass

@@ -20,10 +20,10 @@ from hicache_core.engine import Engine, Request, RequestResult
 @dataclass(frozen=True)
 class Workload:
     clients: int = 16
-    rounds: int = 8
-    request_length: int = 256
-    output_length: int = 16
-    max_running: int = 8
+    rounds: int = 4
+    request_length: int = 512
+    output_length: int = 8
+    max_running: int = 4
     round_barrier: bool = True
     seed: int = 0
 

@@ -103,6 +103,8 @@ def run_bench_io(
             views = [arena[i * page_size : (i + 1) * page_size] for i in range(pages)]
             payloads = [bytes(v) for v in views]
             readback = memoryview(bytearray(page_size * pages))
+            backend.register_buffer(arena)  # as an engine registers its host pool
+            backend.register_buffer(readback)
             targets = [readback[i * page_size : (i + 1) * page_size] for i in range(pages)]
             for batch in batch_sizes:
                 keys = scope.keys(f"{batch:08x}{i:056x}" for i in range(pages))

@@ -7,6 +7,7 @@ has a knob for it) with the client library alone: no keys, no validation, no res
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -141,6 +142,34 @@ class S3Raw:
         self.pool.shutdown()
 
 
+class MooncakeRaw:
+    """``batch_put_from`` / ``batch_get_into`` / ``batch_is_exist`` on the connector's own store
+    object (one process holds one Mooncake client), from memory registered with it."""
+
+    label = "mooncake batch_*_from/into"
+
+    def __init__(self, backend: StorageBackend) -> None:
+        self.store = backend._store  # the connector's client: one setup, one registration table
+
+    @staticmethod
+    def _pointers(pages: list[memoryview]) -> tuple[list[int], list[int]]:
+        return [ctypes.addressof(ctypes.c_char.from_buffer(p)) for p in pages], [p.nbytes for p in pages]
+
+    def put(self, names: list[str], pages: list[memoryview]) -> None:
+        ptrs, sizes = self._pointers(pages)
+        self.store.batch_upsert_from(names, ptrs, sizes)
+
+    def get(self, names: list[str], pages: list[memoryview]) -> None:
+        ptrs, sizes = self._pointers(pages)
+        self.store.batch_get_into(names, ptrs, sizes)
+
+    def exists(self, names: list[str]) -> None:
+        self.store.batch_is_exist(names)
+
+    def close(self) -> None:
+        """Nothing to release: the store belongs to the connector, which closes it."""
+
+
 class MemoryRaw:
     """A plain dict: the floor any in-process store could reach."""
 
@@ -173,6 +202,8 @@ def make_raw(backend: StorageBackend) -> RawClient | None:
         return RedisRaw(backend)
     if name == "s3":
         return S3Raw(backend)
+    if name == "mooncake":
+        return MooncakeRaw(backend)
     if name == "memory":
         return MemoryRaw()
     return None

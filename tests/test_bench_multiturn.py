@@ -1,0 +1,77 @@
+"""`hicache-storage bench` runs end to end and reports every tier side by side (figures drift: not asserted)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hicache_core.bench.runner import BenchConfig, run_bench
+from hicache_core.bench.workload import Workload
+from hicache_core.controller import StopPolicy
+
+TINY = ["--clients", "3", "--rounds", "3", "--request-length", "64", "--output-length", "2", "--max-running", "2",
+        "--device-tokens", "256", "--page-size", "16", "--prefetch-threshold", "16", "--prefill-tokens-per-s", "1e6",
+        "--decode-step-ms", "0.1", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--stop-policy", "wait_complete"]
+
+
+def tiny_cli(*extra):
+    return [sys.executable, "-m", "hicache_storage.cli", "bench", *TINY, *extra]
+
+
+def test_modeled_bench_restores_from_l3_once_history_overflows_l1_and_l2():
+    config = BenchConfig(
+        workload=Workload(clients=6, rounds=3, request_length=64, output_length=2, max_running=2),
+        prefill_tokens_per_s=1e6, decode_step_s=1e-4, layers=2, kv_heads=2, head_dim=16,
+        page_size=16, device_tokens=256, host_ratio=1.0, prefetch_threshold=16,
+        # compute this fast leaves best_effort prefetches no time to land: wait for them instead
+        stop_policy=StopPolicy.WAIT_COMPLETE,
+    )
+    result = run_bench(config)
+    runs = {run["tiers"]: run for run in result["runs"]}
+    assert list(runs) == ["L1", "L1+L2", "L1+L2+L3"]
+    assert runs["L1"]["overall"]["host_tokens"] == runs["L1"]["overall"]["storage_tokens"] == 0
+    assert runs["L1+L2"]["overall"]["storage_tokens"] == 0
+    l3 = runs["L1+L2+L3"]
+    assert l3["overall"]["storage_tokens"] > 0 and l3["storage_bytes_written"] > 0 and l3["storage_bytes_read"] > 0
+    assert l3["overall"]["cache_hit_rate"] > runs["L1"]["overall"]["cache_hit_rate"]
+    for run in runs.values():
+        assert [r["round"] for r in run["rounds"]] == [0, 1, 2]
+        assert sum(r["prompt_tokens"] for r in run["rounds"]) == run["overall"]["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_bench_cli_writes_table_json_and_plot(tmp_path):
+    result = subprocess.run(tiny_cli("--out", str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| L1+L2+L3 |" in result.stdout
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [run["tiers"] for run in data["runs"]] == ["L1", "L1+L2", "L1+L2+L3"]
+    assert data["config"]["backend_config"] is None  # a given config is written as "(given)": it may hold secrets
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "bench.md").read_text().startswith("## hicache-storage bench")
+
+
+@pytest.mark.slow
+def test_bench_cli_reference_model_without_round_barrier(tmp_path):
+    result = subprocess.run(tiny_cli("--model", "reference", "--no-round-barrier", "--tiers", "L1,L1+L2+L3", "--out", str(tmp_path)),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["config"]["workload"]["round_barrier"] is False and data["config"]["model"] == "reference"
+    assert sum(run["overall"]["requests"] for run in data["runs"]) == 2 * 3 * 3
+
+
+@pytest.mark.slow
+def test_bench_cli_compares_stop_policies(tmp_path):
+    result = subprocess.run(tiny_cli("--compare-stop-policies", "--out", str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench-stop-policies.json").read_text())["stop_policies"]
+    assert {(r["recompute"], r["stop_policy"]) for r in rows} == {
+        (cost, policy) for cost in ("expensive", "cheap") for policy in ("best_effort", "wait_complete", "timeout")
+    }
+
+
+def test_bench_rejects_an_unknown_tier(tmp_path):
+    result = subprocess.run(tiny_cli("--tiers", "L1,L4", "--out", str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "unknown tier configuration 'L4'" in result.stderr
