@@ -6,6 +6,12 @@ kept right by splits), a lock count (a running request uses the device copy), a 
 count (host pages with storage I/O in flight), a hit count and the
 last access time. L3 presence is never recorded here: it is asked live from the store.
 
+A node's recency is the latest access time in its subtree: a match stamps only the deepest node
+it reaches, and eviction settles the path's times first (``_settle_recency``); inserts stamp
+their whole path. Lookups by :class:`~hicache_core.token_sequence.TokenSequence` jump to the
+deepest cached page through a page-hash index, so their cost does not grow with the length of
+the conversation (see ``RadixTree``).
+
 Invariants (``check_invariants`` verifies them in tests):
 
 * device copies are prefix-closed: a node on the device has its parent on the device;
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache_core.token_sequence import TokenSequence, chain_page_hashes
 from hicache_storage.keys import page_hashes
 
 _ids = itertools.count()
@@ -39,6 +46,7 @@ class TreeNode:
         "children",
         "key",
         "page_hashes",
+        "end",
         "device_value",
         "host_value",
         "lock_ref",
@@ -47,12 +55,15 @@ class TreeNode:
         "last_access",
     )
 
-    def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float) -> None:
+    def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float, end: int = 0) -> None:
         self.id = next(_ids)
         self.parent = parent
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.key = key
         self.page_hashes = hashes
+        #: Tokens from the root through this node: its prefix length. Fixed for the node's life
+        #: (a split gives the upper part to a new node; this one keeps its end).
+        self.end = end
         self.device_value: torch.Tensor | None = None
         self.host_value: torch.Tensor | None = None
         self.lock_ref = 0
@@ -69,23 +80,58 @@ class TreeNode:
         return f"<TreeNode {self.id} tokens={len(self.key)} {where or '-'} lock={self.lock_ref} host_ref={self.host_ref}>"
 
 
-@dataclass
 class MatchResult:
-    """What ``match_prefix`` found for a token sequence (all lengths in tokens, page-aligned)."""
+    """What ``match_prefix`` found for a token sequence (all lengths in tokens, page-aligned).
 
-    device_indices: torch.Tensor
-    device_node: TreeNode
-    host_hit_length: int
-    host_node: TreeNode
-    backed_up_node: TreeNode
+    ``device_indices`` (the device slots of the device part, in order) and ``backed_up_node``
+    (the deepest matched node with a host copy) are worked out on first read, by walking up from
+    ``device_node`` / ``host_node``: a match does no work proportional to the matched length
+    unless they are asked for. Read them before the tree changes (an eviction of the matched
+    nodes, which a caller prevents by locking ``device_node``).
+    """
+
+    __slots__ = ("device_node", "host_hit_length", "host_node", "device_hit_length", "_root", "_indices", "_backed_up")
+
+    def __init__(self, device_node: TreeNode, host_hit_length: int, host_node: TreeNode, root: TreeNode) -> None:
+        self.device_node = device_node
+        self.device_hit_length = device_node.end
+        self.host_hit_length = host_hit_length
+        self.host_node = host_node
+        self._root = root
+        self._indices: torch.Tensor | None = None
+        self._backed_up: TreeNode | None = None
 
     @property
-    def device_hit_length(self) -> int:
-        return int(self.device_indices.numel())
+    def device_indices(self) -> torch.Tensor:
+        if self._indices is None:
+            parts = []
+            node = self.device_node
+            while node is not self._root:
+                assert node.device_value is not None, f"{node} lost its device copy after the match"
+                parts.append(node.device_value)
+                node = node.parent  # type: ignore[assignment]
+            parts.reverse()
+            self._indices = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return self._indices
+
+    @property
+    def backed_up_node(self) -> TreeNode:
+        if self._backed_up is None:
+            node = self.host_node
+            while node is not self._root and node.host_value is None:
+                node = node.parent  # type: ignore[assignment]
+            self._backed_up = node
+        return self._backed_up
 
     @property
     def matched_length(self) -> int:
         return self.device_hit_length + self.host_hit_length
+
+    def __repr__(self) -> str:
+        return (
+            f"MatchResult(device_hit_length={self.device_hit_length}, host_hit_length={self.host_hit_length}, "
+            f"device_node={self.device_node!r}, host_node={self.host_node!r})"
+        )
 
 
 @dataclass
@@ -107,6 +153,16 @@ class HostInsertResult:
 
 
 class RadixTree:
+    """Radix tree over whole pages of token ids.
+
+    Lookups take any ``Sequence[int]``. A :class:`~hicache_core.token_sequence.TokenSequence` with
+    the tree's page size is the fast path: its cached page hashes find the deepest cached page
+    through an index (hash -> node) with a binary search over the pages, so a match or an insert
+    does no per-token Python work and no work proportional to the conversation's length beyond
+    one pass over the nodes of the path. Other sequences are compared node by node, each node's
+    tokens in one C-level comparison.
+    """
+
     def __init__(
         self,
         page_size: int,
@@ -121,33 +177,41 @@ class RadixTree:
         self.root = TreeNode((), None, [], clock())
         self.root.device_value = torch.empty(0, dtype=torch.int64)
         self.root.lock_ref = 1
+        # Every cached page's hash -> the node holding it. A page hash names its whole prefix, so
+        # one lookup answers "is this prefix cached?" and says where it ends.
+        self._by_hash: dict[str, TreeNode] = {}
 
     # --- lookup -------------------------------------------------------------------------------
 
     def match_prefix(self, tokens: Sequence[int], *, count_host: bool = True) -> MatchResult:
         """Longest cached prefix of ``tokens``: the device part, then the host part after it.
 
-        Splits a node where the match ends inside it, and refreshes ``last_access`` on the path.
+        Splits a node where the match ends inside it, and refreshes the access time of the
+        matched path (stamped on its deepest node only; see ``_settle_recency``).
         With ``count_host=False`` (buffer-only mode) host copies are not hits.
         """
-        device_parts: list[torch.Tensor] = []
-        device_node = host_node = backed_up = self.root
-        host_length = 0
-        now = self._clock()
-        for node in self._walk(tokens):
-            if node.device_value is not None and device_node is node.parent:
-                device_parts.append(node.device_value)
-                device_node = node
-            elif node.host_value is not None and count_host:
-                host_length += len(node.key)
-            else:
+        node, matched = self._locate(tokens)
+        root = self.root
+        # Device copies are prefix-closed: the path is device nodes, then a tail without them.
+        tail: list[TreeNode] = []
+        device_node = node
+        while device_node is not root and device_node.device_value is None:
+            tail.append(device_node)
+            device_node = device_node.parent  # type: ignore[assignment]
+        if not tail and matched < len(node.key):
+            device_node = self._split(node, matched)
+        host_node, host_length = device_node, 0
+        for candidate in reversed(tail):
+            if candidate is node and matched < len(node.key):
+                candidate = self._split(node, matched)
+            if candidate.host_value is None or not count_host:
                 break
-            host_node = node
-            if node.host_value is not None:
-                backed_up = node
-            node.last_access = now
-        device_indices = torch.cat(device_parts) if device_parts else self.root.device_value
-        return MatchResult(device_indices, device_node, host_length, host_node, backed_up)
+            host_length += len(candidate.key)
+            host_node = candidate
+        now = self._clock()
+        if host_node is not root:
+            host_node.last_access = now  # the path above it is as recent: see _settle_recency
+        return MatchResult(device_node, host_length, host_node, root)
 
     # --- insertion ----------------------------------------------------------------------------
 
@@ -160,22 +224,26 @@ class RadixTree:
         """
         self._check_aligned(len(tokens))
         now = self._clock()
-        result = InsertResult(0, self.root)
-        position = 0
-        for node in self._walk(tokens):
-            span = slice(position, position + len(node.key))
-            if node.device_value is not None:
-                result.duplicate_length = span.stop
+        node, matched = self._locate(tokens)
+        if matched < len(node.key):
+            node = self._split(node, matched)
+        result = InsertResult(0, node)
+        existing = result.existing_nodes
+        step = node
+        while step is not self.root:
+            if step.device_value is not None:
+                if not result.duplicate_length:
+                    result.duplicate_length = step.end
             else:
-                node.device_value = device_indices[span].clone()
-            node.hit_count += 1
-            node.last_access = now
-            result.existing_nodes.append(node)
-            result.last_node = node
-            position = span.stop
-        if position < len(tokens):
-            leaf = self._new_leaf(result.last_node, tokens[position:], now)
-            leaf.device_value = device_indices[position : len(tokens)].clone()
+                step.device_value = device_indices[step.end - len(step.key) : step.end].clone()
+            step.hit_count += 1
+            step.last_access = now
+            existing.append(step)
+            step = step.parent  # type: ignore[assignment]
+        existing.reverse()
+        if node.end < len(tokens):
+            leaf = self._new_leaf(node, tokens, now)
+            leaf.device_value = device_indices[node.end : len(tokens)].clone()
             result.new_nodes.append(leaf)
             result.last_node = leaf
         return result
@@ -189,61 +257,115 @@ class RadixTree:
         self._check_aligned(len(tokens))
         self._check_aligned(start)
         now = self._clock()
+        node, matched = self._locate(tokens)
+        # Cut the node straddling ``start`` first, then the one where the match ends (this
+        # order keeps node ids, the eviction tie-break, as a top-down walk would create them).
+        matched_end = node.end - len(node.key) + matched
+        step = node
+        while step is not self.root and step.end - len(step.key) >= start:
+            step = step.parent  # type: ignore[assignment]
+        if step is not self.root and start < min(step.end, matched_end):
+            cut = start - (step.end - len(step.key))
+            self._split(step, cut)
+            if step is node:
+                matched -= cut
+        if matched < len(node.key):
+            node = self._split(node, matched)
+        path: list[TreeNode] = []
+        step = node
+        while step is not self.root:
+            path.append(step)
+            step = step.parent  # type: ignore[assignment]
         unused: list[torch.Tensor] = []
         inserted = 0
-        position = 0
-        parent = self.root
-        for node in self._walk(tokens, split_at=start):
-            end = position + len(node.key)
-            if end > start:
-                pages = host_indices[position - start : end - start]
-                if node.device_value is None and node.host_value is None:
-                    node.host_value = pages.clone()
-                    inserted += len(node.key)
+        for step in reversed(path):
+            if step.end > start:
+                pages = host_indices[step.end - len(step.key) - start : step.end - start]
+                if step.device_value is None and step.host_value is None:
+                    step.host_value = pages.clone()
+                    inserted += len(step.key)
                 else:
                     unused.append(pages)
-            node.last_access = now
-            parent, position = node, end
-        if position < start:
+            step.last_access = now
+        if node.end < start:
             return None
-        if position < len(tokens):
-            leaf = self._new_leaf(parent, tokens[position:], now)
-            leaf.host_value = host_indices[position - start :].clone()
-            inserted += len(tokens) - position
+        if node.end < len(tokens):
+            leaf = self._new_leaf(node, tokens, now)
+            leaf.host_value = host_indices[node.end - start :].clone()
+            inserted += len(tokens) - node.end
         return HostInsertResult(inserted, unused)
 
     def _new_leaf(self, parent: TreeNode, tokens: Sequence[int], now: float) -> TreeNode:
-        key = tuple(tokens)
-        leaf = TreeNode(key, parent, page_hashes(key, self.page_size, parent.last_hash), now)
-        parent.children[key[: self.page_size]] = leaf
+        """A child of ``parent`` holding ``tokens[parent.end:]``, with its page hashes."""
+        ps, start, end = self.page_size, parent.end, len(tokens)
+        if isinstance(tokens, TokenSequence) and tokens.page_size == ps:
+            hashes = tokens.known_page_hashes()[start // ps : end // ps]
+            key = tuple(tokens[start:end])
+        else:
+            key = tuple(tokens[start:end])
+            hashes = chain_page_hashes(key, ps, parent.last_hash)
+        leaf = TreeNode(key, parent, hashes, now, end)
+        parent.children[key[:ps]] = leaf
+        index = self._by_hash
+        for page_hash in hashes:
+            index[page_hash] = leaf
         return leaf
 
-    def _walk(self, tokens: Sequence[int], split_at: int | None = None) -> Iterator[TreeNode]:
-        """Nodes along ``tokens`` (whole pages only), splitting the last one where the match ends
-        and any node straddling ``split_at``."""
+    def _locate(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
+        """The deepest node along the whole pages of ``tokens`` and how many of its tokens match
+        (``len(node.key)`` when all do; ``(root, 0)`` when nothing is cached). Changes nothing."""
+        if isinstance(tokens, TokenSequence) and tokens.page_size == self.page_size:
+            return self._locate_by_hash(tokens)
+        return self._locate_by_tokens(tokens)
+
+    def _locate_by_hash(self, tokens: TokenSequence) -> tuple[TreeNode, int]:
+        pages = tokens.num_pages
+        hashes = tokens.known_page_hashes()
+        index = self._by_hash
+        # Cached prefixes are prefix-closed, so "page i is cached" is true up to some count.
+        cached, bound = 0, pages
+        if pages and hashes[pages - 1] in index:
+            cached = pages
+        else:
+            bound = pages - 1
+        while cached < bound:
+            middle = (cached + bound + 1) // 2
+            if hashes[middle - 1] in index:
+                cached = middle
+            else:
+                bound = middle - 1
+        if not cached:
+            return self.root, 0
+        node = index[hashes[cached - 1]]
+        return node, cached * self.page_size - (node.end - len(node.key))
+
+    def _locate_by_tokens(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
         ps = self.page_size
         limit = len(tokens) - len(tokens) % ps
         node, position = self.root, 0
         while position < limit:
             child = node.children.get(tuple(tokens[position : position + ps]))
             if child is None:
-                return
-            common = ps
-            while common < len(child.key) and position + common < limit and tuple(
-                tokens[position + common : position + common + ps]
-            ) == child.key[common : common + ps]:
-                common += ps
-            if split_at is not None and position < split_at < position + common:
-                common = split_at - position
-            if common < len(child.key):
-                child = self._split(child, common)
-            yield child
-            node, position = child, position + len(child.key)
+                break
+            length = len(child.key)
+            if position + length <= limit and tuple(tokens[position : position + length]) == child.key:
+                node, position = child, position + length
+                continue
+            # The first page matches (it is the child's dict key): binary search for the last one.
+            low, high = 1, min(length, limit - position) // ps
+            while low < high:
+                middle = (low + high + 1) // 2
+                if tuple(tokens[position : position + middle * ps]) == child.key[: middle * ps]:
+                    low = middle
+                else:
+                    high = middle - 1
+            return child, low * ps
+        return node, len(node.key)
 
     def _split(self, child: TreeNode, length: int) -> TreeNode:
         """Cut ``child`` after ``length`` tokens; returns the new upper node."""
         pages = length // self.page_size
-        upper = TreeNode(child.key[:length], child.parent, child.page_hashes[:pages], child.last_access)
+        upper = TreeNode(child.key[:length], child.parent, child.page_hashes[:pages], child.last_access, child.end - len(child.key) + length)
         upper.lock_ref, upper.host_ref, upper.hit_count = child.lock_ref, child.host_ref, child.hit_count
         if child.device_value is not None:
             upper.device_value, child.device_value = child.device_value[:length], child.device_value[length:]
@@ -253,6 +375,9 @@ class RadixTree:
         child.parent.children[child.key[: self.page_size]] = upper
         child.key, child.page_hashes, child.parent = child.key[length:], child.page_hashes[pages:], upper
         upper.children[child.key[: self.page_size]] = child
+        index = self._by_hash
+        for page_hash in upper.page_hashes:
+            index[page_hash] = upper
         return upper
 
     # --- references ---------------------------------------------------------------------------
@@ -291,6 +416,7 @@ class RadixTree:
         none it is deleted with its host-only descendants, unless host I/O protects them.
         Returns the number of device tokens freed (less than asked when too much is locked).
         """
+        self._settle_recency()
         heap = [(n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
         heapq.heapify(heap)
         freed = 0
@@ -322,6 +448,7 @@ class RadixTree:
         Host-only leaves go first (the node is deleted), then host copies of device-resident
         nodes (the node stays on the device); each group least recently used first.
         """
+        self._settle_recency()
         heap = [self._host_rank(n) for n in self.nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
@@ -360,8 +487,21 @@ class RadixTree:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[: self.page_size]]
-            node.parent = None
+            self._forget(node, parent)
             node = parent
+
+    def _settle_recency(self) -> None:
+        """Give every node the latest access time in its subtree.
+
+        Whatever reaches a node went through all its ancestors, so an ancestor was used at least
+        as recently as any descendant. A match stamps only the deepest node it reached (no walk
+        along the path); the path's times are filled in here, once per eviction, which visits
+        every node anyway. Deleted nodes hand their time to their parent (``_forget``).
+        """
+        for node in reversed(list(self.nodes())):
+            parent = node.parent
+            if parent is not None and parent.last_access < node.last_access:
+                parent.last_access = node.last_access
 
     def _device_evictable(self, node: TreeNode) -> bool:
         return (
@@ -400,8 +540,17 @@ class RadixTree:
         parent = node.parent
         if parent is not None:
             del parent.children[node.key[: self.page_size]]
-            node.parent = None
+            self._forget(node, parent)
         node.children = {}
+
+    def _forget(self, node: TreeNode, parent: TreeNode) -> None:
+        """Detach a deleted (childless) node: drop its pages from the index, keep its access time."""
+        index = self._by_hash
+        for page_hash in node.page_hashes:
+            del index[page_hash]
+        if parent.last_access < node.last_access:
+            parent.last_access = node.last_access
+        node.parent = None
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -430,7 +579,10 @@ class RadixTree:
                 assert child.parent is node and child.key[: self.page_size] == first, child
                 assert len(child.key) % self.page_size == 0 and child.key, child
                 full = path + child.key
+                assert child.end == len(full), child
                 assert child.page_hashes == page_hashes(full, self.page_size)[len(path) // self.page_size :], child
+                assert all(self._by_hash.get(h) is child for h in child.page_hashes), f"{child} not indexed by its page hashes"
+                indexed[0] += len(child.page_hashes)
                 if child.device_value is not None:
                     assert node.device_value is not None, f"{child} on device under {node} off device"
                     assert child.device_value.numel() == len(child.key)
@@ -442,7 +594,9 @@ class RadixTree:
                 host_refs += child.host_ref
             return locks, host_refs
 
+        indexed = [0]
         visit(self.root, ())
+        assert indexed[0] == len(self._by_hash), "the page-hash index holds pages of nodes no longer in the tree"
 
     def _check_aligned(self, length: int) -> None:
         if length % self.page_size:

@@ -1,0 +1,391 @@
+"""Radix-tree cost per conversation round: our tree next to SGLang's Python ``RadixCache``.
+
+The trace (issue 9): ``--conversations`` conversations x ``--rounds`` rounds, interleaved round by
+round. Each conversation starts with 64 random tokens; each round appends 100 random input tokens,
+matches the whole conversation, appends 100 output tokens and inserts the whole conversation (its
+whole pages). Run with page size 1 and 64. One "call" below is one match + one insert; only
+those two calls are timed (appending tokens to a conversation is not).
+
+Trees measured, in the same process and on the same tokens:
+
+* ``ours``: :class:`hicache_core.radix_tree.RadixTree` fed a
+  :class:`hicache_core.token_sequence.TokenSequence` per conversation (its page hashes are
+  computed once per page, inside the timed calls);
+* ``ours_list``: the same tree fed plain Python lists (the path without cached page hashes);
+* ``sglang``: ``sglang.srt.mem_cache.radix_cache.RadixCache`` (a simulated cache: no memory
+  pools), fed a ``RadixKey`` over an ``array('q')`` per conversation, when sglang is installed.
+
+SGLang's ``radix_cache`` module imports its model-config package, which imports vision,
+quantization and kernel packages (torchvision, tvm_ffi, ...) that the tree never calls. Where one
+of those is not installed, an empty import-time stand-in is used for it, in this process only,
+and the report lists which (``sglang_stand_ins``).
+
+Usage: ``python benchmarks/tree.py --out results/tree`` (the full trace, about a minute), or
+``--quick`` (a small trace, run by the tests so the script cannot rot; its timings mean nothing).
+Writes ``tree.json`` and ``tree.md`` into ``--out``. :func:`bench_tree` and
+:func:`render_markdown` are the programmatic entry points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import platform
+import random
+import sys
+import time
+import types
+from array import array
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache_core.radix_tree import RadixTree
+from hicache_core.token_sequence import TokenSequence
+
+FIRST_TOKENS = 64
+INPUT_TOKENS = 100
+OUTPUT_TOKENS = 100
+VOCAB = 32000
+
+#: Packages SGLang's config package imports at module level but the radix tree never uses.
+SGLANG_STAND_IN_PACKAGES = ("torchvision", "tvm_ffi", "sentencepiece", "compressed_tensors", "gguf")
+
+
+# --- trees under test ---------------------------------------------------------------------------
+
+
+class _Driver:
+    """One tree and its conversations; ``step`` returns the seconds spent in match + insert."""
+
+    name = ""
+
+    def add_conversation(self, tokens: list[int]) -> None:
+        raise NotImplementedError
+
+    def step(self, conversation: int, input_tokens: list[int], output_tokens: list[int]) -> float:
+        raise NotImplementedError
+
+
+def _slot_tensor(conversation: int, length: int) -> torch.Tensor:
+    # Distinct fake device slots per conversation; the trees only store and slice them.
+    return torch.arange(conversation * length, (conversation + 1) * length, dtype=torch.int64)
+
+
+class OurTreeDriver(_Driver):
+    def __init__(self, page_size: int, max_tokens: int, *, token_sequences: bool = True) -> None:
+        self.name = "ours" if token_sequences else "ours_list"
+        self.page_size = page_size
+        self.max_tokens = max_tokens
+        self.tree = RadixTree(page_size, lambda _slots: None)
+        self.token_sequences = token_sequences
+        self.conversations: list[Any] = []
+        self.slots: list[torch.Tensor] = []
+
+    def add_conversation(self, tokens: list[int]) -> None:
+        tokens = list(tokens)
+        self.conversations.append(TokenSequence(self.page_size, tokens) if self.token_sequences else tokens)
+        self.slots.append(_slot_tensor(len(self.slots), self.max_tokens))
+
+    def step(self, conversation: int, input_tokens: list[int], output_tokens: list[int]) -> float:
+        tokens = self.conversations[conversation]
+        tokens.extend(input_tokens)
+        started = time.perf_counter()
+        self.tree.match_prefix(tokens)
+        elapsed = time.perf_counter() - started
+        tokens.extend(output_tokens)
+        aligned = len(tokens) - len(tokens) % self.page_size
+        whole_pages = tokens.prefix(aligned) if self.token_sequences else tokens[:aligned]
+        slots = self.slots[conversation][:aligned]
+        started = time.perf_counter()
+        self.tree.insert(whole_pages, slots)
+        return elapsed + time.perf_counter() - started
+
+
+class SGLangTreeDriver(_Driver):
+    name = "sglang"
+
+    def __init__(self, page_size: int, max_tokens: int, sglang: types.SimpleNamespace) -> None:
+        self.sglang = sglang
+        self.max_tokens = max_tokens
+        self.cache = sglang.RadixCache.create_simulated(page_size=page_size)
+        self.conversations: list[array] = []
+        self.slots: list[torch.Tensor] = []
+
+    def add_conversation(self, tokens: list[int]) -> None:
+        self.conversations.append(array("q", tokens))
+        self.slots.append(_slot_tensor(len(self.slots), self.max_tokens))
+
+    def step(self, conversation: int, input_tokens: list[int], output_tokens: list[int]) -> float:
+        # A RadixKey keeps the array it wraps (a new node's key may be that very array), so each
+        # call gets its own copy, as SGLang's scheduler builds one per request; copies not timed.
+        sg = self.sglang
+        tokens = self.conversations[conversation]
+        tokens.extend(input_tokens)
+        key = sg.RadixKey(array("q", tokens))
+        started = time.perf_counter()
+        self.cache.match_prefix(sg.MatchPrefixParams(key=key))
+        elapsed = time.perf_counter() - started
+        tokens.extend(output_tokens)
+        key = sg.RadixKey(array("q", tokens))
+        slots = self.slots[conversation][: len(tokens)]
+        started = time.perf_counter()
+        self.cache.insert(sg.InsertParams(key=key, value=slots))
+        return elapsed + time.perf_counter() - started
+
+
+# --- loading SGLang -----------------------------------------------------------------------------
+
+
+class _PlaceholderMeta(type):
+    """Any attribute, call, subscript or union of a placeholder is the placeholder again, so
+    module-level uses such as ``X.Y.Z``, ``X(...)`` or ``Optional[X]`` in SGLang's modules pass."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _Placeholder
+
+    def __getitem__(cls, item: Any) -> Any:
+        return _Placeholder
+
+    def __or__(cls, other: Any) -> Any:
+        return _Placeholder
+
+    __ror__ = __or__
+
+
+class _Placeholder(metaclass=_PlaceholderMeta):
+    pass
+
+
+class _StandInModule(types.ModuleType):
+    """Answers any attribute with the placeholder, so ``from X import Y`` succeeds."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: Sequence[str]) -> None:
+        self.packages = set(packages)
+        self.used: set[str] = set()
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        top = name.partition(".")[0]
+        if top not in self.packages:
+            return None
+        self.used.add(top)
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stand-in"
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def load_sglang() -> tuple[types.SimpleNamespace | None, list[str], str | None]:
+    """SGLang's tree classes, the packages stood in for, and why it could not load (or None)."""
+    names = ("RadixCache", "RadixKey", "MatchPrefixParams", "InsertParams")
+
+    def attempt() -> types.SimpleNamespace:
+        radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+        base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+        return types.SimpleNamespace(**{n: getattr(radix, n, None) or getattr(base, n) for n in names})
+
+    try:
+        return attempt(), [], None
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in SGLANG_STAND_IN_PACKAGES:
+            return None, [], f"sglang not importable: {exc}"
+    except Exception as exc:  # noqa: BLE001 - any failure means "no SGLang column", reported
+        return None, [], f"sglang not importable: {exc!r}"
+    finder = _StandInFinder([p for p in SGLANG_STAND_IN_PACKAGES if importlib.util.find_spec(p) is None])
+    sys.meta_path.append(finder)
+    try:
+        return attempt(), sorted(finder.used), None
+    except Exception as exc:  # noqa: BLE001
+        return None, sorted(finder.used), f"sglang not importable even with stand-ins: {exc!r}"
+    finally:
+        sys.meta_path.remove(finder)
+
+
+# --- the trace ----------------------------------------------------------------------------------
+
+
+def make_trace(conversations: int, rounds: int, seed: int) -> tuple[list[list[int]], list[list[tuple[list[int], list[int]]]]]:
+    """First tokens per conversation, and per round per conversation its input and output tokens."""
+    rng = random.Random(seed)
+    first = [[rng.randrange(VOCAB) for _ in range(FIRST_TOKENS)] for _ in range(conversations)]
+    turns = [
+        [([rng.randrange(VOCAB) for _ in range(INPUT_TOKENS)], [rng.randrange(VOCAB) for _ in range(OUTPUT_TOKENS)])
+         for _ in range(conversations)]
+        for _ in range(rounds)
+    ]
+    return first, turns
+
+
+def run_trace(driver: _Driver, first: list[list[int]], turns: list[list[tuple[list[int], list[int]]]]) -> list[list[float]]:
+    """Seconds per call, ``[round][conversation]``, conversations interleaved round by round.
+
+    Trees run one after the other (not interleaved with each other), so one tree's objects never
+    weigh on the other's garbage collections.
+    """
+    for tokens in first:
+        driver.add_conversation(tokens)
+    return [[driver.step(c, inputs, outputs) for c, (inputs, outputs) in enumerate(per_round)] for per_round in turns]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def bench_tree(
+    rounds: int = 200,
+    conversations: int = 16,
+    page_sizes: Sequence[int] = (1, 64),
+    *,
+    bucket: int = 25,
+    seed: int = 0,
+    sglang: bool = True,
+    lists: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the trace for each page size; returns the report (JSON-serializable).
+
+    Per page size: for each bucket of ``bucket`` rounds the mean milliseconds per call (match +
+    insert) of every tree and SGLang's / ours ratio, then our growth (last bucket / first, and
+    last round / first round).
+    """
+    loaded, stand_ins, sglang_error = load_sglang() if sglang else (None, [], "not requested")
+    max_tokens = FIRST_TOKENS + rounds * (INPUT_TOKENS + OUTPUT_TOKENS)
+    report: dict[str, Any] = {
+        "trace": {
+            "conversations": conversations, "rounds": rounds, "first_tokens": FIRST_TOKENS,
+            "input_tokens": INPUT_TOKENS, "output_tokens": OUTPUT_TOKENS, "seed": seed, "bucket_rounds": bucket,
+        },
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__},
+        "sglang": _sglang_version() if loaded else None,
+        "sglang_error": sglang_error,
+        "sglang_stand_ins": stand_ins,
+        "page_sizes": {},
+    }
+    for page_size in page_sizes:
+        first, turns = make_trace(conversations, rounds, seed)
+        makers: list[Callable[[], _Driver]] = [lambda: OurTreeDriver(page_size, max_tokens)]
+        if lists:
+            makers.append(lambda: OurTreeDriver(page_size, max_tokens, token_sequences=False))
+        if loaded is not None:
+            makers.append(lambda: SGLangTreeDriver(page_size, max_tokens, loaded))
+        costs: dict[str, list[list[float]]] = {}
+        for make in makers:
+            driver = make()
+            if progress:
+                progress(f"page size {page_size}: {driver.name}")
+            costs[driver.name] = run_trace(driver, first, turns)
+            del driver
+            gc.collect()
+        buckets = []
+        for start in range(0, rounds, bucket):
+            stop = min(start + bucket, rounds)
+            row: dict[str, Any] = {"rounds": f"{start + 1}-{stop}"}
+            for name, per_round in costs.items():
+                row[f"{name}_ms"] = _mean([c for r in per_round[start:stop] for c in r]) * 1e3
+            if "sglang_ms" in row:
+                row["sglang_over_ours"] = row["sglang_ms"] / row["ours_ms"]
+            buckets.append(row)
+        ours = costs["ours"]
+        report["page_sizes"][str(page_size)] = {
+            "buckets": buckets,
+            "ours_round_first_ms": _mean(ours[0]) * 1e3,
+            "ours_round_last_ms": _mean(ours[-1]) * 1e3,
+            "ours_growth_last_over_first_round": _mean(ours[-1]) / _mean(ours[0]),
+            "ours_growth_last_over_first_bucket": buckets[-1]["ours_ms"] / buckets[0]["ours_ms"],
+        }
+    return report
+
+
+def _sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        return "unknown"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    trace = report["trace"]
+    lines = [
+        f"Trace: {trace['conversations']} conversations x {trace['rounds']} rounds; {trace['first_tokens']} first tokens, "
+        f"+{trace['input_tokens']} input, match, +{trace['output_tokens']} output, insert. "
+        "Mean milliseconds per call (one match + one insert).",
+        "",
+    ]
+    if report["sglang"]:
+        stand_ins = report["sglang_stand_ins"]
+        lines.append(f"SGLang {report['sglang']} `RadixCache`" + (f" (import stand-ins: {', '.join(stand_ins)})." if stand_ins else "."))
+    else:
+        lines.append(f"SGLang not measured: {report['sglang_error']}.")
+    for page_size, result in report["page_sizes"].items():
+        columns = [k for k in result["buckets"][0] if k != "rounds"]
+        lines += ["", f"Page size {page_size}:", "", "| rounds | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for row in result["buckets"]:
+            lines.append(f"| {row['rounds']} | " + " | ".join(_fmt(c, row[c]) for c in columns) + " |")
+        lines += [
+            "",
+            f"Ours: round 1 {result['ours_round_first_ms']:.3f} ms, round {trace['rounds']} {result['ours_round_last_ms']:.3f} ms "
+            f"({result['ours_growth_last_over_first_round']:.2f}x); last bucket / first bucket "
+            f"{result['ours_growth_last_over_first_bucket']:.2f}x.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(column: str, value: float) -> str:
+    return f"{value:.1f}x" if column.endswith("_over_ours") else f"{value:.3f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--bucket", type=int, default=25, help="rounds per reported bucket")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-sglang", action="store_true", help="measure our tree only")
+    parser.add_argument("--quick", action="store_true", help="a small trace (2 conversations x 8 rounds): proves the script runs")
+    parser.add_argument("--out", type=Path, default=None, help="folder for tree.json and tree.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.conversations, args.bucket = 8, 2, 4
+    report = bench_tree(
+        args.rounds, args.conversations, args.page_sizes, bucket=args.bucket, seed=args.seed,
+        sglang=not args.no_sglang, progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    markdown = render_markdown(report)
+    print(markdown)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tree.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "tree.md").write_text(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
