@@ -38,6 +38,9 @@ from hicache_storage.keys import page_hashes
 
 _ids = itertools.count()
 
+#: Tokens between two pages in the page-hash index (see ``RadixTree.__init__``).
+INDEX_STRIDE_TOKENS = 256
+
 
 class TreeNode:
     __slots__ = (
@@ -169,6 +172,8 @@ class RadixTree:
         free_device: Callable[[torch.Tensor], None],
         free_host: Callable[[torch.Tensor], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        index_stride_tokens: int = INDEX_STRIDE_TOKENS,
     ) -> None:
         self.page_size = page_size
         self._free_device = free_device
@@ -177,8 +182,12 @@ class RadixTree:
         self.root = TreeNode((), None, [], clock())
         self.root.device_value = torch.empty(0, dtype=torch.int64)
         self.root.lock_ref = 1
-        # Every cached page's hash -> the node holding it. A page hash names its whole prefix, so
-        # one lookup answers "is this prefix cached?" and says where it ends.
+        # Page hash -> the node holding that page, for every ``_stride``-th page (global page
+        # index ``stride - 1``, ``2 * stride - 1``, ...). A page hash names its whole prefix, so one
+        # lookup answers "is this prefix cached?"; a binary search over these pages finds the
+        # deepest one, and at most a stride of tokens is left to compare. Indexing every page
+        # would cost a dictionary insert per token with page size 1.
+        self._stride = max(1, index_stride_tokens // page_size)
         self._by_hash: dict[str, TreeNode] = {}
 
     # --- lookup -------------------------------------------------------------------------------
@@ -227,15 +236,17 @@ class RadixTree:
         node, matched = self._locate(tokens)
         if matched < len(node.key):
             node = self._split(node, matched)
-        result = InsertResult(0, node)
-        existing = result.existing_nodes
-        step = node
-        while step is not self.root:
-            if step.device_value is not None:
-                if not result.duplicate_length:
-                    result.duplicate_length = step.end
-            else:
-                step.device_value = device_indices[step.end - len(step.key) : step.end].clone()
+        existing: list[TreeNode] = []
+        root, step = self.root, node
+        # Device copies are prefix-closed: fill the tail without one, then the rest is cached.
+        while step is not root and step.device_value is None:
+            step.device_value = device_indices[step.end - len(step.key) : step.end].clone()
+            step.hit_count += 1
+            step.last_access = now
+            existing.append(step)
+            step = step.parent  # type: ignore[assignment]
+        result = InsertResult(step.end, node, [], existing)
+        while step is not root:
             step.hit_count += 1
             step.last_access = now
             existing.append(step)
@@ -306,9 +317,7 @@ class RadixTree:
             hashes = chain_page_hashes(key, ps, parent.last_hash)
         leaf = TreeNode(key, parent, hashes, now, end)
         parent.children[key[:ps]] = leaf
-        index = self._by_hash
-        for page_hash in hashes:
-            index[page_hash] = leaf
+        self._index(leaf)
         return leaf
 
     def _locate(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
@@ -316,33 +325,41 @@ class RadixTree:
         (``len(node.key)`` when all do; ``(root, 0)`` when nothing is cached). Changes nothing."""
         if isinstance(tokens, TokenSequence) and tokens.page_size == self.page_size:
             return self._locate_by_hash(tokens)
-        return self._locate_by_tokens(tokens)
+        return self._descend(tokens, self.root, 0)
 
     def _locate_by_hash(self, tokens: TokenSequence) -> tuple[TreeNode, int]:
-        pages = tokens.num_pages
+        stride = self._stride
+        points = tokens.num_pages // stride
         hashes = tokens.known_page_hashes()
         index = self._by_hash
-        # Cached prefixes are prefix-closed, so "page i is cached" is true up to some count.
-        cached, bound = 0, pages
-        if pages and hashes[pages - 1] in index:
-            cached = pages
+        # Cached prefixes are prefix-closed, so "indexed page j is cached" holds up to some j.
+        cached, bound = 0, points
+        if points and hashes[points * stride - 1] in index:
+            cached = points
         else:
-            bound = pages - 1
+            bound = points - 1
         while cached < bound:
             middle = (cached + bound + 1) // 2
-            if hashes[middle - 1] in index:
+            if hashes[middle * stride - 1] in index:
                 cached = middle
             else:
                 bound = middle - 1
         if not cached:
-            return self.root, 0
-        node = index[hashes[cached - 1]]
-        return node, cached * self.page_size - (node.end - len(node.key))
+            return self._descend(tokens, self.root, 0)
+        return self._descend(tokens, index[hashes[cached * stride - 1]], cached * stride * self.page_size)
 
-    def _locate_by_tokens(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
+    def _descend(self, tokens: Sequence[int], node: TreeNode, position: int) -> tuple[TreeNode, int]:
+        """Continue a match known to hold for ``tokens[:position]``, which ends inside or at the
+        end of ``node``, by comparing tokens (each node's run in one C-level comparison)."""
         ps = self.page_size
         limit = len(tokens) - len(tokens) % ps
-        node, position = self.root, 0
+        start = node.end - len(node.key)
+        if position < node.end:
+            offset = position - start
+            if node.end <= limit and tuple(tokens[position : node.end]) == node.key[offset:]:
+                position = node.end
+            else:
+                return node, offset + self._common_pages(tokens, position, node.key, offset, min(node.end, limit) - position) * ps
         while position < limit:
             child = node.children.get(tuple(tokens[position : position + ps]))
             if child is None:
@@ -351,16 +368,21 @@ class RadixTree:
             if position + length <= limit and tuple(tokens[position : position + length]) == child.key:
                 node, position = child, position + length
                 continue
-            # The first page matches (it is the child's dict key): binary search for the last one.
-            low, high = 1, min(length, limit - position) // ps
-            while low < high:
-                middle = (low + high + 1) // 2
-                if tuple(tokens[position : position + middle * ps]) == child.key[: middle * ps]:
-                    low = middle
-                else:
-                    high = middle - 1
-            return child, low * ps
+            return child, ps * self._common_pages(tokens, position, child.key, 0, min(length, limit - position), known=1)
         return node, len(node.key)
+
+    def _common_pages(self, tokens: Sequence[int], position: int, key: tuple[int, ...], offset: int, span: int, known: int = 0) -> int:
+        """Whole pages of ``tokens[position:]`` equal to ``key[offset:]``, within ``span`` tokens
+        (at least ``known``): a binary search of slice comparisons, no per-token Python."""
+        ps = self.page_size
+        low, high = known, span // ps
+        while low < high:
+            middle = (low + high + 1) // 2
+            if tuple(tokens[position : position + middle * ps]) == key[offset : offset + middle * ps]:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def _split(self, child: TreeNode, length: int) -> TreeNode:
         """Cut ``child`` after ``length`` tokens; returns the new upper node."""
@@ -375,10 +397,16 @@ class RadixTree:
         child.parent.children[child.key[: self.page_size]] = upper
         child.key, child.page_hashes, child.parent = child.key[length:], child.page_hashes[pages:], upper
         upper.children[child.key[: self.page_size]] = child
-        index = self._by_hash
-        for page_hash in upper.page_hashes:
-            index[page_hash] = upper
+        self._index(upper)
         return upper
+
+    def _indexed_hashes(self, node: TreeNode) -> list[str]:
+        """The hashes of ``node``'s pages that the index holds (every ``_stride``-th global page)."""
+        stride, first_page = self._stride, (node.end - len(node.key)) // self.page_size
+        return node.page_hashes[(stride - 1 - first_page) % stride :: stride]
+
+    def _index(self, node: TreeNode) -> None:
+        self._by_hash.update(dict.fromkeys(self._indexed_hashes(node), node))
 
     # --- references ---------------------------------------------------------------------------
 
@@ -546,7 +574,7 @@ class RadixTree:
     def _forget(self, node: TreeNode, parent: TreeNode) -> None:
         """Detach a deleted (childless) node: drop its pages from the index, keep its access time."""
         index = self._by_hash
-        for page_hash in node.page_hashes:
+        for page_hash in self._indexed_hashes(node):
             del index[page_hash]
         if parent.last_access < node.last_access:
             parent.last_access = node.last_access
@@ -581,8 +609,9 @@ class RadixTree:
                 full = path + child.key
                 assert child.end == len(full), child
                 assert child.page_hashes == page_hashes(full, self.page_size)[len(path) // self.page_size :], child
-                assert all(self._by_hash.get(h) is child for h in child.page_hashes), f"{child} not indexed by its page hashes"
-                indexed[0] += len(child.page_hashes)
+                indexed_hashes = self._indexed_hashes(child)
+                assert all(self._by_hash.get(h) is child for h in indexed_hashes), f"{child} not indexed by its page hashes"
+                indexed[0] += len(indexed_hashes)
                 if child.device_value is not None:
                     assert node.device_value is not None, f"{child} on device under {node} off device"
                     assert child.device_value.numel() == len(child.key)

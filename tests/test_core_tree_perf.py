@@ -326,13 +326,13 @@ def _path_of(tree_root, node):
 
 
 class Pair:
-    def __init__(self, page_size, seed):
+    def __init__(self, page_size, seed, stride_pages):
         self.rng = random.Random(seed)
         self.page_size = page_size
         self.freed = {"fast": ([], []), "ref": ([], [])}
         fast_ticks, ref_ticks = itertools.count(), itertools.count()
         self.fast = RadixTree(page_size, self.freed["fast"][0].append, self.freed["fast"][1].append,
-                              clock=lambda: float(next(fast_ticks)))
+                              clock=lambda: float(next(fast_ticks)), index_stride_tokens=stride_pages * page_size)
         self.ref = ReferenceTree(page_size, self.freed["ref"][0].append, self.freed["ref"][1].append,
                                  clock=lambda: float(next(ref_ticks)))
         self.next_slot = 0
@@ -488,9 +488,11 @@ class Pair:
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
-@pytest.mark.parametrize("seed", range(8))
-def test_fast_tree_matches_reference_on_random_operations(page_size, seed):
-    pair = Pair(page_size, seed * 31 + page_size)
+@pytest.mark.parametrize("stride_pages", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(5))
+def test_fast_tree_matches_reference_on_random_operations(page_size, stride_pages, seed):
+    """Short sequences, so the index stride is a few pages: indexed and token-compared parts both count."""
+    pair = Pair(page_size, seed * 31 + page_size, stride_pages)
     for _ in range(250):
         op = pair.step()
         pair.compare(op)
@@ -498,7 +500,7 @@ def test_fast_tree_matches_reference_on_random_operations(page_size, seed):
 
 def test_long_conversation_takes_the_hash_path_and_stays_exact():
     """A growing conversation (the benchmark's shape) on both trees, with page size 4."""
-    tree = RadixTree(4, lambda _: None)
+    tree = RadixTree(4, lambda _: None, index_stride_tokens=12)
     reference = ReferenceTree(4, lambda _: None, lambda _: None, clock=lambda: 0.0)
     rng = random.Random(3)
     sequence = TokenSequence(4, [rng.randrange(50) for _ in range(8)])
@@ -545,3 +547,21 @@ def test_tree_benchmark_quick_mode_against_sglang_in_a_subprocess(tmp_path):
     report = __import__("json").loads((tmp_path / "tree.json").read_text())
     assert report["sglang"], report["sglang_error"]
     assert all("sglang_over_ours" in row for r in report["page_sizes"].values() for row in r["buckets"])
+
+
+def test_index_holds_every_stride_page_and_lookups_start_there(monkeypatch):
+    """White-box: the index keeps every third page (stride 6 tokens, page 2), and a match by
+    TokenSequence compares tokens only after the deepest indexed page."""
+    tree = RadixTree(2, lambda _: None, index_stride_tokens=6)
+    tokens = list(range(40))
+    tree.insert(TokenSequence(2, tokens), torch.arange(40))
+    hashes = page_hashes(tokens, 2)
+    assert set(tree._by_hash) == {hashes[page] for page in range(2, 20, 3)}
+    starts = []
+    descend = tree._descend
+    monkeypatch.setattr(tree, "_descend", lambda seq, node, position: starts.append(position) or descend(seq, node, position))
+    assert tree.match_prefix(TokenSequence(2, tokens + [99, 99, 98])).device_hit_length == 40
+    assert starts == [36], "pages 0-17 were found through the index (page 17 is the deepest indexed one)"
+    tree.match_prefix(TokenSequence(2, tokens[:20] + [7] * 20))  # splits the node after page 9
+    tree.check_invariants()
+    assert set(tree._by_hash) == {hashes[page] for page in range(2, 20, 3)}
