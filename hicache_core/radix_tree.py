@@ -159,11 +159,12 @@ class RadixTree:
     """Radix tree over whole pages of token ids.
 
     Lookups take any ``Sequence[int]``. A :class:`~hicache_core.token_sequence.TokenSequence` with
-    the tree's page size is the fast path: its cached page hashes find the deepest cached page
-    through an index (hash -> node) with a binary search over the pages, so a match or an insert
-    does no per-token Python work and no work proportional to the conversation's length beyond
-    one pass over the nodes of the path. Other sequences are compared node by node, each node's
-    tokens in one C-level comparison.
+    the tree's page size is the fast path: its cached page hashes find the deepest cached indexed
+    page (one every ``index_stride_tokens``) by a binary search of dictionary lookups, and the
+    last stride is compared as token runs. A match then costs the same whatever the length of
+    the conversation; an insert adds one pass over the nodes of its path (hit counts and access
+    times are kept per node). Other sequences are compared node by node from the root, each
+    node's tokens in one C-level comparison. No per-token Python work on either path.
     """
 
     def __init__(
