@@ -113,7 +113,6 @@ def serve(engine: Engine, conversations: list[list[list[int]]], tag: str,
             if during is not None:
                 during()
             done.update((res.rid, res) for res in engine.take_results())
-        done.update((res.rid, res) for res in engine.take_results())
         for c, request in requests:
             histories[c] = request.tokens + done[request.rid].output_ids
             out.append(done[request.rid])
@@ -591,24 +590,6 @@ def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label)
     assert figures.failed_batches > 0, "reads that found pages gone must count as failed batches"
 
 
-@pytest.mark.services
-def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
-    name, config = connector_config(request, "redis", tmp_path)
-    faults = FaultInjectionWrapper(create_backend(name, config), {"seed": 1})
-    miscount = FaultInjectionWrapper(faults.inner, {
-        "seed": 1,
-        "exists": {"wrong_count_rate": 1.0},
-        "get": {"wrong_count_rate": 1.0},
-        "put": {"wrong_count_rate": 1.0},
-    })
-    switch = Switch(faults, miscount)
-    figures = Figures("backend returns the wrong number of results", "redis")
-    run_scenario(figures, switch, baseline, switch.on, switch.off,
-                 lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count")
-    assert miscount.stats()["faults_wrong_count"] > 0
-    assert figures.storage_errors > 0, "contract violations must be counted as storage errors"
-
-
 class Switch(BackendWrapper):
     """Routes every call to ``healthy`` or, while on, to ``faulty`` (both over the same store)."""
 
@@ -633,6 +614,24 @@ class Switch(BackendWrapper):
 
     def _put_from(self, keys, sources):  # type: ignore[no-untyped-def]
         return self.active._put_from(keys, sources)
+
+
+@pytest.mark.services
+def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
+    name, config = connector_config(request, "redis", tmp_path)
+    faults = FaultInjectionWrapper(create_backend(name, config), {"seed": 1})
+    miscount = FaultInjectionWrapper(faults.inner, {
+        "seed": 1,
+        "exists": {"wrong_count_rate": 1.0},
+        "get": {"wrong_count_rate": 1.0},
+        "put": {"wrong_count_rate": 1.0},
+    })
+    switch = Switch(faults, miscount)
+    figures = Figures("backend returns the wrong number of results", "redis")
+    run_scenario(figures, switch, baseline, switch.on, switch.off,
+                 lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count")
+    assert miscount.stats()["faults_wrong_count"] > 0
+    assert figures.storage_errors > 0, "contract violations must be counted as storage errors"
 
 
 class RoundRobin(BackendWrapper):
