@@ -174,6 +174,27 @@ def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, 
     except BaseException:
         storage.close()
         raise
+    try:
+        _run_phases(figures, engine, baseline, inject, clear)
+    except AssertionError:
+        raise
+    except Exception as exc:  # the engine raised: a crash, reported before the test fails on it
+        figures.crashes += 1
+        figures.notes = f"crashed: {type(exc).__name__}: {exc}"
+        figures.report()
+        raise
+    if notes is not None:
+        figures.notes = notes()
+    figures.report()
+    assert (figures.wrong_tokens, figures.wrong_logits) == (0, 0), f"{figures}"
+    assert figures.max_latency_s < figures.latency_bound_s, (
+        f"a request took {figures.max_latency_s:.1f}s (bound {figures.latency_bound_s:.0f}s): the timeout policy did not hold"
+    )
+    assert figures.storage_hit_tokens_after > 0, f"L3 hits did not resume within {RECOVERY_PASSES} passes after the fault cleared"
+
+
+def _run_phases(figures: Figures, engine: Engine, baseline: dict[str, list[RequestResult]],
+                inject: Callable[[], None], clear: Callable[[], None]) -> None:
     with engine:
         warm = serve(engine, WARM, "warm")
         assert wrong_outputs(baseline["warm"], warm) == (0, 0), "healthy warm-up differs from recompute"
@@ -214,14 +235,6 @@ def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, 
                                      - before["storage_backup_failed_batches"] - before["prefetch_failed_batches"])
         assert engine.controller.threads_alive, "a controller thread died after the fault"
         engine.tree.check_invariants()
-    if notes is not None:
-        figures.notes = notes()
-    figures.report()
-    assert (figures.wrong_tokens, figures.wrong_logits) == (0, 0), f"{figures}"
-    assert figures.max_latency_s < figures.latency_bound_s, (
-        f"a request took {figures.max_latency_s:.1f}s (bound {figures.latency_bound_s:.0f}s): the timeout policy did not hold"
-    )
-    assert figures.storage_hit_tokens_after > 0, f"L3 hits did not resume within {RECOVERY_PASSES} passes after the fault cleared"
 
 
 # --- servers of our own, to kill and freeze ---------------------------------------------------
