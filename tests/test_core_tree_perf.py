@@ -9,7 +9,9 @@ tokens page by page, no caches). Random operation sequences run on both, fed pla
 from __future__ import annotations
 
 import heapq
+import importlib.util
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -521,13 +523,12 @@ def test_long_conversation_takes_the_hash_path_and_stays_exact():
 
 
 def test_tree_benchmark_quick_mode_runs_end_to_end(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import tree as tree_bench  # noqa: PLC0415 - a script folder, not a package
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("hicache_tree_benchmark", ROOT / "benchmarks" / "tree.py")
+    assert spec is not None and spec.loader is not None
+    tree_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree_bench)  # a script folder, not a package
     assert tree_bench.main(["--quick", "--no-sglang", "--out", str(tmp_path)]) == 0
-    report = __import__("json").loads((tmp_path / "tree.json").read_text())
+    report = json.loads((tmp_path / "tree.json").read_text())
     assert set(report["page_sizes"]) == {"1", "64"}
     for result in report["page_sizes"].values():
         assert [row["rounds"] for row in result["buckets"]] == ["1-4", "5-8"]
@@ -544,7 +545,7 @@ def test_tree_benchmark_quick_mode_against_sglang_in_a_subprocess(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = __import__("json").loads((tmp_path / "tree.json").read_text())
+    report = json.loads((tmp_path / "tree.json").read_text())
     assert report["sglang"], report["sglang_error"]
     assert all("sglang_over_ours" in row for r in report["page_sizes"].values() for row in r["buckets"])
 
