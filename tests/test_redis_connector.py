@@ -730,9 +730,10 @@ def _count_timeouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             super().__init__(*args)
 
     for name, module in list(sys.modules.items()):
-        uses_it = getattr(module, "TimeoutError", None) is redis.exceptions.TimeoutError
-        if name.startswith("redis.") and name != "redis.exceptions" and uses_it:
-            monkeypatch.setattr(module, "TimeoutError", CountedTimeout)
+        # Name first: getattr on other packages' lazy modules can import things (transformers does).
+        if name.startswith("redis.") and name != "redis.exceptions":
+            if getattr(module, "TimeoutError", None) is redis.exceptions.TimeoutError:
+                monkeypatch.setattr(module, "TimeoutError", CountedTimeout)
     return counter
 
 
