@@ -21,6 +21,7 @@ interfere, and clears it afterwards where the backend can.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -193,8 +194,6 @@ class ConformanceTests:
 
     def test_raw_buffer_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
         """Pages given as (address, size), as SGLang's host pool hands them out."""
-        import ctypes
-
         key = scope.key(random_hash(rng))
         data = rng.randbytes(self.page_size_bytes)
         source = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
@@ -508,8 +507,12 @@ class ConformanceTests:
         if limit is None:
             pytest.skip("unsupported: no max_value_size declared")
         key = scope.key("%064x" % 1)
+        # The SDK refuses by size before reading a byte, so a view that claims limit + 1 bytes over
+        # a small real buffer proves the refusal without allocating a limit-sized page.
+        small = (ctypes.c_ubyte * 1)()
         with pytest.raises(ValueTooLargeError):
-            store.put([key], [bytes(limit + 1)])
+            store.put_from([key], [RawBuffer(ctypes.addressof(small), limit + 1)])
+        assert store.exists([key]) == [False]
         if limit > MAX_TESTED_VALUE_SIZE:
             pytest.skip(f"max_value_size {limit} is above the {MAX_TESTED_VALUE_SIZE} bytes the suite writes in full")
         assert store.put([key], [bytes(limit)]) == [True]

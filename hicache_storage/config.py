@@ -122,7 +122,12 @@ def _config_error(cls: type[BackendConfig], exc: pydantic.ValidationError, backe
         field = ".".join(str(part) for part in error["loc"]) or "(config)"
         first_field = first_field or field
         info = cls.model_fields.get(str(error["loc"][0])) if error["loc"] else None
-        shown = "<secret>" if info is not None and _is_secret(info) else repr(error.get("input"))
+        if not error["loc"]:
+            shown = "<the whole config>"  # a model-level check: its input is every field, secrets too
+        elif info is not None and _is_secret(info):
+            shown = "<secret>"
+        else:
+            shown = repr(error.get("input"))
         allowed = f" ({info.description})" if info is not None and info.description else ""
         problems.append(f"{field}={shown}: {error['msg']}{allowed}")
     return ConfigError(f"invalid {cls.__name__}: " + "; ".join(problems), field=first_field, backend=backend)

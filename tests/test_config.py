@@ -96,3 +96,21 @@ def test_secrets_never_show(tmp_path):
 def test_configs_are_immutable():
     with pytest.raises(pydantic.ValidationError):
         MemoryConfig().store = "x"
+
+
+class PairedConfig(BackendConfig):
+    user: str | None = None
+    password: pydantic.SecretStr | None = None
+
+    @pydantic.model_validator(mode="after")
+    def both_or_neither(self):
+        if (self.user is None) != (self.password is None):
+            raise ValueError("give user and password together")
+        return self
+
+
+def test_model_level_errors_do_not_echo_the_input():
+    with pytest.raises(ConfigError) as info:
+        PairedConfig.parse({"password": "hunter2"})
+    assert "give user and password together" in str(info.value)
+    assert "hunter2" not in str(info.value)
