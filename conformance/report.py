@@ -102,8 +102,8 @@ class ReportCollector:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         report = self.build()
         self.stem.parent.mkdir(parents=True, exist_ok=True)
-        self.stem.with_suffix(".json").write_text(report.to_json())
-        self.stem.with_suffix(".md").write_text(report.to_markdown())
+        self.stem.parent.joinpath(f"{self.stem.name}.json").write_text(report.to_json())
+        self.stem.parent.joinpath(f"{self.stem.name}.md").write_text(report.to_markdown())
 
     def build(self) -> Report:
         name = self.config.getoption("--hicache-backend") or "(unset)"

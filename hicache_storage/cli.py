@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     conformance.add_argument(
         "--report-dir", default="conformance-report", help="directory for <backend>.json and <backend>.md (default: %(default)s)"
     )
+    conformance.add_argument("--report-name", help="report file stem (default: the backend name)")
     conformance.add_argument("--quick", action="store_true", help="skip the slow clauses (concurrency, processes, state machine)")
     conformance.add_argument("-k", dest="keyword", help="only clauses matching this pytest -k expression")
     conformance.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing clause")
@@ -253,7 +254,7 @@ def run_conformance(args: argparse.Namespace) -> int:
 
     resolve(args.backend)  # fail fast, with the registry's error, on an unknown name or missing extra
     report_dir = Path(args.report_dir)
-    stem = report_dir / args.backend.replace(":", "-").replace("/", "-")
+    stem = report_dir / (args.report_name or args.backend.replace(":", "-").replace("/", "-"))
     with tempfile.TemporaryDirectory(prefix="hicache-conformance-") as scratch:
         # An empty ini file and rootdir: the caller's own pytest configuration must not leak in.
         ini = Path(scratch) / "pytest.ini"
@@ -272,13 +273,13 @@ def run_conformance(args: argparse.Namespace) -> int:
         if args.exitfirst:
             pytest_args += ["-x"]
         exit_code = int(pytest.main(pytest_args))
-    report_json = stem.with_suffix(".json")
+    report_json = stem.parent / f"{stem.name}.json"  # not with_suffix: a dotted module path has no suffix
     if not report_json.exists():
         print(f"hicache-storage: no report was written ({report_json}); pytest exited {exit_code}", file=sys.stderr)
         return exit_code or 1
     data = json.loads(report_json.read_text())
     counts = data["counts"]
-    print(f"report: {stem.with_suffix('.md')} ({', '.join(f'{n} {k}' for k, n in counts.items())})")
+    print(f"report: {stem.parent / f'{stem.name}.md'} ({', '.join(f'{n} {k}' for k, n in counts.items())})")
     if not data["ok"]:
         return exit_code or 1
     return exit_code

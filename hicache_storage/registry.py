@@ -1,4 +1,4 @@
-"""Find backends by name: built-ins, entry points, or ``package.module:ClassName``.
+"""Find backends by name: built-ins, entry points, ``package.module:ClassName``, or ``sglang:NAME``.
 
 Nothing here imports a connector until it is asked for, so listing backends costs no client
 library imports, and a missing optional dependency is reported with the extra that provides it.
@@ -74,6 +74,10 @@ def resolve(name: str) -> type[StorageBackend]:
     """The backend class for a registered name or a ``package.module:ClassName`` path."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a backend name must be a non-empty string, got {name!r}", field="backend")
+    if name.startswith("sglang:"):  # one of SGLang's own backends, through the reverse adapter
+        from hicache_storage.sglang_reverse import sglang_backend_class
+
+        return sglang_backend_class(name.removeprefix("sglang:"))
     specs = known_specs()
     spec = specs.get(name)
     if spec is None:

@@ -14,6 +14,11 @@ $PIP install --quiet -c scripts/constraints.txt -e '.[all,dev]'
 if [[ "${1:-}" == "--services" ]]; then
     # sglang without its GPU stack: the package itself, then only what its storage interface,
     # host pool and radix tree modules import (see docs/sglang.md).
+    # sglang compiles its page-hash C++ extension on first use.
+    missing=$(for p in g++ ninja-build libssl-dev; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+    if [[ -n "$missing" ]]; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends $missing
+    fi
     if ! python3 -c "import sglang" 2>/dev/null; then
         $PIP install --quiet --no-deps sglang==0.5.23
         $PIP install --quiet -c scripts/constraints.txt numpy orjson psutil pybase64 requests triton packaging \
