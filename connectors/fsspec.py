@@ -38,7 +38,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.connectors.s3 import LOG_REDACTOR
+from hicache_storage.redaction import LOG_REDACTOR
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,

@@ -26,9 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
-import threading
 import zlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +50,7 @@ from hicache_storage.errors import (
     ThrottledError,
 )
 from hicache_storage.keys import Namespace, PageKey
+from hicache_storage.redaction import LOG_REDACTOR
 
 log = logging.getLogger(__name__)
 
@@ -481,50 +480,6 @@ def _crc32c_function() -> Callable[[Any, int], int]:
     except ImportError:
         raise MissingDependencyError("s3", "awscrt", None) from None
     return checksums.crc32c
-
-
-# --- secrets in client logs ---------------------------------------------------------------------
-
-
-class LogRedactor(logging.Filter):
-    """Replaces registered secrets in the records of the AWS clients' debug loggers.
-
-    botocore logs each canonical request and request headers at DEBUG, and those include the
-    session token. Connectors register their secrets while open; records are rewritten only
-    when one actually appears, and only if DEBUG is on for those loggers.
-    """
-
-    LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._secrets: Counter[str] = Counter()
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-
-    def add(self, secrets: Sequence[str]) -> None:
-        with self._lock:
-            self._secrets.update(secret for secret in secrets if len(secret) >= 4)
-
-    def remove(self, secrets: Sequence[str]) -> None:
-        with self._lock:
-            self._secrets.subtract(secret for secret in secrets if len(secret) >= 4)
-            self._secrets = +self._secrets  # drop the ones no open connector uses any more
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        secrets = list(self._secrets)
-        if secrets:
-            message = record.getMessage()
-            redacted = message
-            for secret in secrets:
-                redacted = redacted.replace(secret, "<redacted>")
-            if redacted != message:
-                record.msg, record.args = redacted, None
-        return True
-
-
-LOG_REDACTOR = LogRedactor()
 
 
 # --- errors --------------------------------------------------------------------------------------
