@@ -215,7 +215,7 @@ def dd_direct(page_size: int, pages: int, directory: str) -> dict[str, float]:
     try:
         rates = {}
         for op, args in (
-            ("write", [f"if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"]),
+            ("write", ["if=/dev/zero", f"of={path}", "oflag=direct", "conv=fsync"]),
             ("read", [f"if={path}", "of=/dev/null", "iflag=direct"]),
         ):
             start = time.perf_counter()

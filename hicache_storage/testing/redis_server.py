@@ -152,7 +152,7 @@ class RedisServer(ServerProcess):
 
     def _config_text(self) -> str:
         lines = [
-            *([f"port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]),
+            *(["port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]),
             f"bind {self.host}",
             f"dir {self.workdir}",
             "daemonize no",
