@@ -93,6 +93,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ttft_ax.set(title="Mean TTFT per round", xlabel="round", ylabel="TTFT (ms)")
     hit_ax.set(title="Cache hit rate per round", xlabel="round", ylabel="cached / prompt tokens (%)", ylim=(0, 100))
     for ax in (ttft_ax, hit_ax):
+        ax.set_xticks(range(1, len(result["runs"][0]["rounds"]) + 1))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
