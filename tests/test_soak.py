@@ -1,6 +1,6 @@
 """The CI-sized soak: random injected faults through the engine, resources flat, no deadlock.
 
-Each soak runs in its own process (``python -m hicache_storage.testing.soak``) so that RSS, file
+Each soak runs in its own process (``python -m hicache_core.soak``) so that RSS, file
 descriptors, sockets and threads are the engine's, not pytest's. The longer run and its figures
 are in docs/reliability.md.
 """
@@ -21,7 +21,7 @@ SOAK_MINUTES = 0.7
 def run_soak(tmp_path, *args: str) -> dict:
     report = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, "-m", "hicache_storage.testing.soak", "--minutes", str(SOAK_MINUTES), "--json", str(report), *args],
+        [sys.executable, "-m", "hicache_core.soak", "--minutes", str(SOAK_MINUTES), "--json", str(report), *args],
         capture_output=True, text=True, timeout=SOAK_MINUTES * 60 + 240,
     )
     assert done.returncode == 0, f"soak failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
@@ -62,7 +62,7 @@ def test_watchdog_ends_a_stalled_run(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from hicache_storage.testing.soak import Watchdog
+        from hicache_core.soak import Watchdog
         Watchdog(1.0, Path({str(report)!r})).start()
         time.sleep(120)
         """

@@ -17,7 +17,7 @@ fails the run instead of hanging it.
 
 Run::
 
-    python -m hicache_storage.testing.soak --minutes 2 --json soak.json
+    python -m hicache_core.soak --minutes 2 --json soak.json
 
 Exit code 0 when every check passed, 1 when a check failed (the report says which), 3 on a stall.
 Not thread-safe and not reentrant: one soak per process (it measures the whole process).
@@ -287,7 +287,7 @@ def _check(report: SoakReport, config: SoakConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hicache_storage.testing.soak", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hicache_core.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=2.0, help="how long to run (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the faults (replayable)")
     parser.add_argument("--backend", default="file", help="connector under the faults (default: file on a temp dir)")
