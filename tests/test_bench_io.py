@@ -28,3 +28,16 @@ def test_bench_io_cli_writes_json_and_markdown(tmp_path):
     data = json.loads((tmp_path / "bench-io-memory.json").read_text())
     assert data["backend"] == "memory" and data["ratios"]
     assert (tmp_path / "bench-io-memory.md").read_text().startswith("## bench-io: `memory`")
+
+
+def test_a_store_that_refuses_pages_gets_no_ratio():
+    from hicache_storage.connectors.memory import MemoryBackend
+
+    class Full(MemoryBackend):
+        def _put_from(self, keys, sources):
+            return [False] * len(keys)
+
+    result = run_bench_io(Full(), page_sizes=[4096], batch_sizes=[4], bytes_per_case=4 * 4096, repeats=1)
+    puts = [m for m in result["measurements"] if m["op"] == "put" and m["path"].startswith("sdk")]
+    assert puts and all(m["failed"] == 4 for m in puts)
+    assert not [r for r in ratios(result) if r["op"] == "put"]

@@ -43,6 +43,8 @@ class Measurement:
     p50_ms: float = float("nan")
     p90_ms: float = float("nan")
     p99_ms: float = float("nan")
+    #: Pages the call reported not stored / not read (a full store): such a case's rate is not I/O.
+    failed: int = 0
 
 
 @dataclass
@@ -55,13 +57,16 @@ class LayoutMeasurement:
     get_gb_per_s: float
 
 
-def _timed_batches(batches: Sequence[tuple[int, int]], run: Callable[[int, int], None]) -> tuple[float, list[float]]:
-    latencies = []
+def _timed_batches(batches: Sequence[tuple[int, int]], run: Callable[[int, int], object]) -> tuple[float, list[float], int]:
+    """Total time, per-batch latencies, and pages an SDK call reported False (raw clients report none)."""
+    latencies, failed = [], 0
     for start, stop in batches:
         began = time.perf_counter()
-        run(start, stop)
+        results = run(start, stop)
         latencies.append(time.perf_counter() - began)
-    return sum(latencies), latencies
+        if isinstance(results, list):
+            failed += results.count(False)
+    return sum(latencies), latencies, failed
 
 
 def _measure(
@@ -69,16 +74,18 @@ def _measure(
 ) -> Measurement:
     """Run every batch ``repeats`` times; throughput from the median pass, latencies from all."""
     batches = [(s, min(s + batch, pages)) for s in range(0, pages, batch)]
-    totals, latencies = [], []
+    totals, latencies, failed = [], [], 0
     for _ in range(repeats):
-        total, passes = _timed_batches(batches, run)
+        total, passes, misses = _timed_batches(batches, run)
         totals.append(total)
         latencies += passes
+        failed += misses
     total = sorted(totals)[len(totals) // 2]
     moved = 0 if op == "exists" else page_size * pages
     rate = moved / total / 1e9 if moved else pages / total / 1e6  # exists: million keys/s
     ms = [x * 1e3 for x in latencies]
-    return Measurement(op, path, page_size, batch, pages, rate, percentile(ms, 50), percentile(ms, 90), percentile(ms, 99))
+    failed = failed if op != "exists" else 0  # a False from exists is an answer, not a failure
+    return Measurement(op, path, page_size, batch, pages, rate, percentile(ms, 50), percentile(ms, 90), percentile(ms, 99), failed)
 
 
 def run_bench_io(
@@ -164,25 +171,31 @@ def _compare_layouts(backend: StorageBackend, scope: KeyScope, *, layers: int, p
             ]
         keys = scope.with_part("layout").keys(f"{len(segments[0]):08x}{i:056x}" for i in range(pages))
         batch = 16
-        put_time, _ = _timed_batches([(s, min(s + batch, pages)) for s in range(0, pages, batch)], lambda a, b: backend.put_from(keys[a:b], segments[a:b]))
-        get_time, _ = _timed_batches([(s, min(s + batch, pages)) for s in range(0, pages, batch)], lambda a, b: backend.get_into(keys[a:b], segments[a:b]))
+        put_time, _, _ = _timed_batches([(s, min(s + batch, pages)) for s in range(0, pages, batch)], lambda a, b: backend.put_from(keys[a:b], segments[a:b]))
+        get_time, _, _ = _timed_batches([(s, min(s + batch, pages)) for s in range(0, pages, batch)], lambda a, b: backend.get_into(keys[a:b], segments[a:b]))
         moved = pages * 2 * layers * piece
         results.append(LayoutMeasurement(layout, len(segments[0]), 1, 2 * layers * piece, moved / put_time / 1e9, moved / get_time / 1e9))
     return results
 
 
 def ratios(result: dict[str, object]) -> list[dict[str, object]]:
-    """SDK zero-copy throughput divided by the raw client's, per op, page size and batch."""
+    """SDK zero-copy throughput divided by the raw client's, per op, page size and batch.
+
+    A case where the SDK reported failed pages has no ratio: refusing is faster than storing.
+    """
     raw_label = result["raw_client"]
     if raw_label is None:
         return []
     by_case: dict[tuple[str, int, int], dict[str, float]] = {}
+    failed: dict[tuple[str, int, int], int] = {}
     for m in result["measurements"]:
-        by_case.setdefault((m["op"], m["page_size"], m["batch"]), {})[m["path"]] = m["gb_per_s"]
+        case = (m["op"], m["page_size"], m["batch"])
+        by_case.setdefault(case, {})[m["path"]] = m["gb_per_s"]
+        failed[case] = failed.get(case, 0) + m["failed"]
     rows = []
     for (op, page_size, batch), paths in sorted(by_case.items()):
         sdk = paths.get("sdk zero-copy", paths.get("sdk"))
-        if sdk is not None and raw_label in paths:
+        if sdk is not None and raw_label in paths and not failed.get((op, page_size, batch)):
             rows.append({"op": op, "page_size": page_size, "batch": batch, "sdk_over_raw": sdk / paths[raw_label]})
     return rows
 
@@ -192,10 +205,10 @@ def render_markdown(result: dict[str, object]) -> str:
     lines.append("Throughput in GB/s (exists: million keys/s); latency per batch call in ms.")
     lines.append("")
     rows = [
-        (m["op"], m["path"], human_bytes(m["page_size"]), m["batch"], m["pages"], m["gb_per_s"], m["p50_ms"], m["p90_ms"], m["p99_ms"])
+        (m["op"], m["path"], human_bytes(m["page_size"]), m["batch"], m["pages"], m["gb_per_s"], m["p50_ms"], m["p90_ms"], m["p99_ms"], m["failed"])
         for m in result["measurements"]
     ]
-    lines.append(markdown_table(["op", "path", "page", "batch", "pages", "GB/s", "p50 ms", "p90 ms", "p99 ms"], rows))
+    lines.append(markdown_table(["op", "path", "page", "batch", "pages", "GB/s", "p50 ms", "p90 ms", "p99 ms", "failed pages"], rows))
     ratio_rows = ratios(result)
     if ratio_rows:
         lines += ["", "SDK zero-copy / raw client throughput (1.0 = no overhead):", ""]
