@@ -35,6 +35,7 @@ from typing import Any, NoReturn, TypeVar
 import pydantic
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.batching import map_outcomes
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -219,10 +220,7 @@ class FsspecBackend(StorageBackend):
     def _each(self, items: Sequence[T], fn: Callable[[T], bool], operation: str, keys: Sequence[PageKey] | None = None) -> list[bool]:
         """``fn`` on every item, on the pool; the first failure is raised as a typed error."""
         keys = keys if keys is not None else items  # type: ignore[assignment]
-        if len(items) == 1:
-            outcomes = [_outcome(fn, items[0])]
-        else:
-            outcomes = [future.result() for future in [self._pool.submit(_outcome, fn, item) for item in items]]
+        outcomes = map_outcomes(self._pool, fn, items)
         for key, (result, error) in zip(keys, outcomes):
             if error is not None:
                 self._raise(error, operation, key)
@@ -250,12 +248,6 @@ class FsspecBackend(StorageBackend):
             raise exc
         raise mapped.with_context(backend=self.name, operation=operation, key=key) from None
 
-
-def _outcome(fn: Callable[[T], bool], item: T) -> tuple[bool, BaseException | None]:
-    try:
-        return fn(item), None
-    except Exception as exc:
-        return False, exc
 
 
 def _read_file_into(fs: Any, path: str, target: Segments) -> bool:

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pydantic
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.batching import map_outcomes
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -329,14 +330,11 @@ class S3Backend(StorageBackend):
     def _each(self, items: Sequence[T], fn: Callable[[T], bool], operation: str, keys: Sequence[PageKey] | None = None) -> list[bool]:
         """``fn`` on every item, on the pool; the first failure is raised as a typed error."""
         keys = keys if keys is not None else items  # type: ignore[assignment]
-        if len(items) == 1:
-            outcomes = [_outcome(fn, items[0])]  # no hand-off to the pool for a single key
-        else:
-            outcomes = [future.result() for future in [self._pool.submit(_outcome, fn, item) for item in items]]
+        outcomes = map_outcomes(self._pool, fn, items)
         for key, (result, error) in zip(keys, outcomes):
             if error is not None:
                 self._raise(error, operation, key)
-        return [result for result, _ in outcomes]
+        return [bool(result) for result, _ in outcomes]
 
     def _check_bucket(self) -> None:
         bucket = self.config.bucket
@@ -361,12 +359,6 @@ class S3Backend(StorageBackend):
             raise exc
         raise mapped.with_context(backend=self.name, operation=operation, key=key) from None
 
-
-def _outcome(fn: Callable[[T], bool], item: T) -> tuple[bool, BaseException | None]:
-    try:
-        return fn(item), None
-    except Exception as exc:
-        return False, exc
 
 
 # --- streaming -----------------------------------------------------------------------------------
