@@ -27,8 +27,7 @@ SGLANG_FILE_FINDINGS = {
     "test_overwrite_with_other_length": "HiCacheFile.set keeps the old value, and get reads a prefix of a longer one",
     "test_length_mismatch_is_a_miss": "HiCacheFile.get reads the first N bytes of a longer page as a hit, "
     "and raises OSError('Short read') on a shorter one instead of a miss",
-    "test_state_machine_matches_dict_model": "overwrites are ignored (above); also, with neither delete nor clear, "
-    "the state machine cannot reset the store between examples",
+    "test_state_machine_matches_dict_model": "overwrites are ignored (above), so a rewritten page reads back stale",
 }
 
 
