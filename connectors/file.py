@@ -88,6 +88,7 @@ from hicache_storage.errors import (
     StorageError,
 )
 from hicache_storage.keys import Namespace, PageKey
+from hicache_storage.vectored_io import preadv_full, pwritev_full
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +105,6 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
-
-try:
-    _IOV_MAX = os.sysconf("SC_IOV_MAX")
-except (AttributeError, ValueError, OSError):  # pragma: no cover - Linux always has it
-    _IOV_MAX = 1024
 
 _COUNTERS = (
     "evictions",
@@ -383,12 +379,12 @@ class FileBackend(StorageBackend):
             return True
         if self._direct_flag and not _aligned(segments):
             bounce = self._bounce(size)
-            if _preadv_all(fd, [bounce[: _round_up(size)]], size) != size:
+            if preadv_full(fd, [bounce[: _round_up(size)]], 0, size) != size:
                 return False
             fill_segments(segments, bounce[:size])
             self._count_bounce()
             return True
-        return _preadv_all(fd, segments, size) == size
+        return preadv_full(fd, segments, 0, size) == size
 
     def _write_fd(self, fd: int, source: Segments, size: int) -> None:
         segments = [view for view in source if view.nbytes]
@@ -400,12 +396,12 @@ class FileBackend(StorageBackend):
                 bounce[offset : offset + view.nbytes] = view
                 offset += view.nbytes
             bounce[size:padded] = bytes(padded - size)
-            _pwritev_all(fd, [bounce[:padded]])
+            pwritev_full(fd, [bounce[:padded]], 0)
             if padded != size:
                 os.ftruncate(fd, size)
             self._count_bounce()
         elif segments:
-            _pwritev_all(fd, segments)
+            pwritev_full(fd, segments, 0)
 
     def _bounce(self, size: int) -> memoryview:
         """This thread's aligned (mmap-backed) buffer, at least ``size`` bytes, grown on demand."""
@@ -503,7 +499,7 @@ class FileBackend(StorageBackend):
             try:
                 fd = os.open(temp, _OPEN_TEMP, 0o600)
                 try:
-                    _pwritev_all(fd, [memoryview(json.dumps(namespace.describe(), indent=2, sort_keys=True).encode())])
+                    pwritev_full(fd, [memoryview(json.dumps(namespace.describe(), indent=2, sort_keys=True).encode())], 0)
                     if self.config.fsync:
                         os.fsync(fd)
                 finally:
@@ -779,41 +775,6 @@ def _aligned(segments: Segments) -> bool:
 
 def _round_up(size: int) -> int:
     return -(-size // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
-
-
-def _advance(views: list[memoryview], done: int) -> list[memoryview]:
-    """The views left after ``done`` bytes of them were transferred."""
-    rest = list(views)
-    while rest and done >= rest[0].nbytes:
-        done -= rest.pop(0).nbytes
-    if rest and done:
-        rest[0] = rest[0][done:]
-    return rest
-
-
-def _preadv_all(fd: int, views: list[memoryview], want: int) -> int:
-    """Read from offset 0 into ``views`` until ``want`` bytes or end of file; returns bytes read."""
-    done = 0
-    rest = views
-    while done < want and rest:
-        n = os.preadv(fd, rest[:_IOV_MAX], done)
-        if n == 0:
-            break
-        done += n
-        rest = _advance(rest, n)
-    return done
-
-
-def _pwritev_all(fd: int, views: list[memoryview]) -> None:
-    """Write all of ``views`` from offset 0 (a short write is continued, never ignored)."""
-    done = 0
-    rest = views
-    while rest:
-        n = os.pwritev(fd, rest[:_IOV_MAX], done)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += n
-        rest = _advance(rest, n)
 
 
 def _fsync_dir(path: str) -> None:

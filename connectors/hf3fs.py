@@ -66,6 +66,7 @@ from hicache_storage.errors import (
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
+from hicache_storage.vectored_io import preadv_full, pwritev_full
 
 SLOT_ALIGNMENT = 4096
 
@@ -368,23 +369,12 @@ class PosixFiles:
             return fd
 
     def read(self, loc: Location, target: Segments) -> bool:
-        fd = self.fd(loc.rank, loc.file)
-        offset, views = loc.offset, list(target)
-        while views:
-            n = os.preadv(fd, views, offset)
-            if n == 0:
-                return False  # past the end of the file: not a page we wrote
-            offset += n
-            views = _advance(views, n)
-        return True
+        """False when the file ends first: not a page we wrote."""
+        want = segments_size(target)
+        return preadv_full(self.fd(loc.rank, loc.file), list(target), loc.offset, want) == want
 
     def write(self, loc: Location, source: Segments) -> bool:
-        fd = self.fd(loc.rank, loc.file)
-        offset, views = loc.offset, list(source)
-        while views:
-            n = os.pwritev(fd, views, offset)
-            offset += n
-            views = _advance(views, n)
+        pwritev_full(self.fd(loc.rank, loc.file), list(source), loc.offset)
         return True
 
     def close(self) -> None:
@@ -392,18 +382,6 @@ class PosixFiles:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
-    """The views left after ``count`` bytes were transferred (partial reads and writes)."""
-    out = []
-    for view in views:
-        if count >= view.nbytes:
-            count -= view.nbytes
-            continue
-        out.append(view[count:] if count else view)
-        count = 0
-    return [v for v in out if v.nbytes]
 
 
 class UsrbioFiles(PosixFiles):
