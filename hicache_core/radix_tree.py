@@ -56,6 +56,8 @@ class TreeNode:
         "host_ref",
         "hit_count",
         "last_access",
+        "components",
+        "session_refs",
     )
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float, end: int = 0) -> None:
@@ -73,6 +75,10 @@ class TreeNode:
         self.host_ref = 0
         self.hit_count = 0
         self.last_access = now
+        #: Per-component state of hybrid models (see :mod:`hicache_core.components`), by component name.
+        self.components: dict[str, object] = {}
+        #: Sessions referencing this node directly (see :mod:`hicache_core.sessions`).
+        self.session_refs = 0
 
     @property
     def last_hash(self) -> str | None:
