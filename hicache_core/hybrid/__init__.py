@@ -1,0 +1,6 @@
+"""Hybrid models on the HiCache core: full-attention, sliding-window and recurrent-state layers.
+
+One radix tree keyed by tokens holds every component's state; see :mod:`.components` for the
+rules each component brings, :mod:`.model` for the reference model and :mod:`.engine` for the
+engine that serves it through L1, L2 and L3.
+"""
