@@ -30,6 +30,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -40,6 +41,29 @@ _ids = itertools.count()
 
 #: Tokens between two pages in the page-hash index (see ``RadixTree.__init__``).
 INDEX_STRIDE_TOKENS = 256
+
+
+class Component(Protocol):
+    """State a hybrid model keeps beside the full-attention KV, with its own rules.
+
+    The tree's own values (``device_value``/``host_value``) are the full-attention KV: every
+    token of a path. A component (a sliding-window KV pool, a recurrent-state checkpoint) keeps
+    its per-node state in ``node.components[name]`` and tells the tree three things: how a split
+    divides it, whether a request may resume at a node's end with it, and how to free it when
+    the node leaves the tree. Eviction of its own memory is the component's business.
+    """
+
+    name: str
+
+    def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
+        """``lower`` was cut after ``length`` tokens and ``upper`` now holds those (and has no state yet)."""
+
+    def accepts(self, node: TreeNode, on_device: bool) -> bool:
+        """Whether a request can resume at ``node.end`` with this component's state (from the
+        device alone when ``on_device``, else from the device or the host)."""
+
+    def release(self, node: TreeNode) -> None:
+        """``node`` leaves the tree: free whatever state it holds on every tier."""
 
 
 class TreeNode:
@@ -75,7 +99,7 @@ class TreeNode:
         self.host_ref = 0
         self.hit_count = 0
         self.last_access = now
-        #: Per-component state of hybrid models (see :mod:`hicache_core.components`), by component name.
+        #: Per-component state of hybrid models, by component name (see ``RadixTree.components``).
         self.components: dict[str, object] = {}
         #: Sessions referencing this node directly (see :mod:`hicache_core.sessions`).
         self.session_refs = 0
@@ -181,8 +205,11 @@ class RadixTree:
         clock: Callable[[], float] = time.monotonic,
         *,
         index_stride_tokens: int = INDEX_STRIDE_TOKENS,
+        components: Sequence[Component] = (),
     ) -> None:
         self.page_size = page_size
+        #: Hybrid models' extra state (see :class:`Component`); empty for plain attention.
+        self.components = tuple(components)
         self._free_device = free_device
         self._free_host = free_host or _no_host
         self._clock = clock
@@ -228,6 +255,34 @@ class RadixTree:
         if host_node is not root:
             host_node.last_access = now  # the path above it is as recent: see _settle_recency
         return MatchResult(device_node, host_length, host_node, root)
+
+    def resume_point(self, node: TreeNode, *, on_device: bool) -> TreeNode:
+        """The deepest node at or above ``node`` whose end every component accepts.
+
+        ``node`` ends a matched path (``MatchResult.host_node``, or ``device_node`` with
+        ``on_device``). A rejection does not stop the walk: the boundary above is tried next, so
+        a recurrent checkpoint missing at the end of a match still lets the request resume from
+        an earlier one. The root (nothing cached) is always accepted.
+        """
+        components = self.components
+        while node is not self.root and not all(c.accepts(node, on_device) for c in components):
+            node = node.parent  # type: ignore[assignment]
+        return node
+
+    def boundary(self, node: TreeNode, position: int) -> TreeNode:
+        """The node ending exactly at ``position`` on the path to ``node``, cutting one if needed.
+
+        ``position`` is page-aligned and at most ``node.end``; components use a boundary to hold
+        state that starts or ends there (a checkpoint, the start of a window).
+        """
+        self._check_aligned(position)
+        while node is not self.root and node.end - len(node.key) >= position:
+            if node.end == position:
+                return node
+            node = node.parent  # type: ignore[assignment]
+        if node is self.root or node.end == position:
+            return node
+        return self._split(node, position - (node.end - len(node.key)))
 
     # --- insertion ----------------------------------------------------------------------------
 
@@ -405,6 +460,8 @@ class RadixTree:
         child.key, child.page_hashes, child.parent = child.key[length:], child.page_hashes[pages:], upper
         upper.children[child.key[: self.page_size]] = child
         self._index(upper)
+        for component in self.components:
+            component.split(upper, child, length)
         return upper
 
     def _indexed_hashes(self, node: TreeNode) -> list[str]:
@@ -583,6 +640,8 @@ class RadixTree:
         index = self._by_hash
         for page_hash in self._indexed_hashes(node):
             del index[page_hash]
+        for component in self.components:
+            component.release(node)
         if parent.last_access < node.last_access:
             parent.last_access = node.last_access
         node.parent = None
