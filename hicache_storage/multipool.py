@@ -1,0 +1,221 @@
+"""Several pools of one model in one store, and the longest prefix all of them can restore.
+
+A hybrid model keeps more than one kind of state per page of tokens: the full-attention KV (the
+``kv`` pool), a sliding-window layer's KV (``swa``), a recurrent layer's state checkpoint
+(``mamba``). Restoring a prefix of ``c`` pages from L3 is correct only if every pool can give
+what that prefix needs; a KV hit with missing side state is silently wrong output. Each pool
+declares what it needs with a :class:`HitPolicy`:
+
+* ``ALL_PAGES``: every page before the cut (the KV; an indexer pool). Such pools *vote*: at least
+  one is required, and they bound the cut.
+* ``TRAILING_PAGES``: only the last ``trailing_pages`` pages before the cut. A sliding window of
+  ``w`` pages needs pages ``[c - w, c)``; a recurrent checkpoint needs one page (``w = 1``). Older
+  pages may be gone, so cut 5 can be restorable while 4 and 3 are not.
+
+The usable prefix is the **longest cut every pool accepts** (:func:`longest_cut`); cut 0 (restore
+nothing) is always accepted. Removing any page a pool needs at the full cut therefore shortens the
+answer: never a full hit with missing state.
+
+Keys. Pool ``P``'s page ``h`` is ``scope.with_part(P.name).key(h)``: the same page hash in two
+pools names two values, which never share bytes. A recurrent checkpoint valid at cut ``c`` (the
+state after the first ``c`` pages) is stored under the hash of page ``c - 1``, the last page it
+covers; with ``TRAILING_PAGES`` and ``trailing_pages=1`` the cut ``c`` is then accepted exactly
+when that checkpoint is present.
+
+Sidecars. A pool that follows another pool's indices without voting (a speculative-decoding draft
+model's KV follows the target's KV) is not a pool here: it is stored as extra segments of its
+source pool's page value (``put("kv", hashes, [[k, v, draft_k, draft_v], ...])``). One key, one
+atomic value: it is saved and restored with its source by construction, and a reader whose
+buffers lack the draft segments gets a miss (a length mismatch), never half a page.
+
+:class:`MultiPoolStore` is thread-safe: it holds only immutable state over a
+:class:`~hicache_storage.backend.StorageBackend`, which is thread-safe by contract.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from hicache_storage.backend import StorageBackend
+from hicache_storage.buffers import BufferLike
+from hicache_storage.errors import InvalidArgumentError, InvalidKeyError, RetryableError
+from hicache_storage.keys import KeyScope, PageKey
+
+logger = logging.getLogger(__name__)
+
+
+class HitPolicy(str, enum.Enum):
+    """Which pages before a cut a pool needs to restore that cut (SGLang's ``PoolHitPolicy`` values)."""
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool: its key part, and which pages it needs before a cut.
+
+    ``trailing_pages`` is the window of a ``TRAILING_PAGES`` pool (at least 1); leave it at 1 for
+    ``ALL_PAGES``.
+    """
+
+    name: str
+    hit_policy: HitPolicy = HitPolicy.ALL_PAGES
+    trailing_pages: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgumentError(f"PoolSpec.name must be the pool's key part, e.g. 'kv' or 'swa'; got {self.name!r}")
+        try:
+            policy = HitPolicy(self.hit_policy)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in HitPolicy)
+            raise InvalidArgumentError(
+                f"pool {self.name!r}: hit_policy must be a HitPolicy ({choices}); got {self.hit_policy!r}"
+            ) from None
+        object.__setattr__(self, "hit_policy", policy)
+        window = self.trailing_pages
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise InvalidArgumentError(
+                f"pool {self.name!r}: trailing_pages must be an int >= 1 (the pages a cut needs); got {window!r}"
+            )
+        if policy is HitPolicy.ALL_PAGES and window != 1:
+            raise InvalidArgumentError(
+                f"pool {self.name!r}: trailing_pages={window} applies to TRAILING_PAGES pools only; "
+                "drop it, or set hit_policy=HitPolicy.TRAILING_PAGES"
+            )
+
+    def accepted_cuts(self, present: Sequence[bool]) -> list[bool]:
+        """For each cut ``c`` in ``0..len(present)``: may this pool restore pages ``[0, c)``?
+
+        ``present[i]`` says whether this pool's page ``i`` is stored. Cut 0 is always accepted.
+        """
+        accepted = [True]
+        run = 0  # present pages ending just before the current cut
+        for c, here in enumerate(present, start=1):
+            run = run + 1 if here else 0
+            needed = c if self.hit_policy is HitPolicy.ALL_PAGES else min(c, self.trailing_pages)
+            accepted.append(run >= needed)
+        return accepted
+
+
+def common_cuts(pools: Sequence[PoolSpec], presence: Mapping[str, Sequence[bool]]) -> list[bool]:
+    """For each cut ``c`` in ``0..n``: does every pool accept it? ``presence`` maps each pool's name
+    to its per-page presence, all of one length ``n``."""
+    if not pools:
+        raise InvalidArgumentError("no pools given; pass at least the KV pool's PoolSpec")
+    missing = [spec.name for spec in pools if spec.name not in presence]
+    if missing:
+        raise InvalidArgumentError(f"presence has no entry for pool(s) {', '.join(map(repr, missing))}; give one list per pool")
+    lengths = {spec.name: len(presence[spec.name]) for spec in pools}
+    if len(set(lengths.values())) > 1:
+        raise InvalidArgumentError(f"every pool's presence must cover the same pages; got lengths {lengths}")
+    accepted = [True] * (next(iter(lengths.values())) + 1)
+    for spec in pools:
+        accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(presence[spec.name]))]
+    return accepted
+
+
+def longest_cut(pools: Sequence[PoolSpec], presence: Mapping[str, Sequence[bool]]) -> int:
+    """The longest cut (in pages) every pool accepts; 0 when only the empty prefix is."""
+    accepted = common_cuts(pools, presence)
+    return max(c for c, ok in enumerate(accepted) if ok)
+
+
+class MultiPoolStore:
+    """One StorageBackend holding several pools under one KeyScope (``scope.part`` is replaced per pool).
+
+    Per-key results and errors are the backend's (see :mod:`hicache_storage.backend`), except in
+    :meth:`usable_pages`, which reports a store that fails with a retryable error as holding nothing.
+    """
+
+    def __init__(self, backend: StorageBackend, scope: KeyScope, pools: Sequence[PoolSpec]) -> None:
+        if not isinstance(backend, StorageBackend):
+            raise InvalidArgumentError(f"backend must be a StorageBackend (see create_backend); got {type(backend).__name__}")
+        if not isinstance(scope, KeyScope):
+            raise InvalidArgumentError(f"scope must be a KeyScope; got {type(scope).__name__}")
+        pools = list(pools)
+        for spec in pools:
+            if not isinstance(spec, PoolSpec):
+                raise InvalidArgumentError(f"pools must be PoolSpec objects; got {type(spec).__name__}: {spec!r}")
+        names = [spec.name for spec in pools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise InvalidArgumentError(f"pool names must be unique, {', '.join(map(repr, duplicates))} repeats; rename one")
+        if not any(spec.hit_policy is HitPolicy.ALL_PAGES for spec in pools):
+            raise InvalidArgumentError(
+                "at least one pool must use HitPolicy.ALL_PAGES (the KV pool, e.g. PoolSpec('kv')): "
+                "it bounds the restorable prefix"
+            )
+        self._scopes: dict[str, KeyScope] = {}
+        for spec in pools:
+            try:
+                self._scopes[spec.name] = scope.with_part(spec.name)
+            except InvalidKeyError as exc:
+                raise InvalidArgumentError(f"pool name {spec.name!r} is not a valid key part: {exc.message}") from exc
+        self.backend = backend
+        self.scope = scope
+        self.pools: dict[str, PoolSpec] = {spec.name: spec for spec in pools}
+
+    def keys(self, pool: str, page_hashes: Sequence[str]) -> list[PageKey]:
+        """Pool ``pool``'s key for each page hash."""
+        scope = self._scopes.get(pool)
+        if scope is None:
+            raise InvalidArgumentError(f"unknown pool {pool!r}; this store holds {', '.join(map(repr, self.pools))}")
+        if isinstance(page_hashes, (str, bytes)):
+            raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
+        return scope.keys(page_hashes)
+
+    def usable_pages(self, page_hashes: Sequence[str]) -> int:
+        """The longest prefix of ``page_hashes`` (in pages) every pool can restore.
+
+        Asks the ALL_PAGES pools with ``prefix_exists`` first, each over the prefix the previous
+        ones left, then each TRAILING_PAGES pool with one ``exists`` over the longest cut still
+        possible. A :class:`~hicache_storage.errors.RetryableError` counts as nothing present: it
+        is logged and the answer is 0.
+        """
+        if isinstance(page_hashes, (str, bytes)):
+            raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
+        hashes = list(page_hashes)
+        limit = len(hashes)
+        try:
+            for spec in self._by_policy(HitPolicy.ALL_PAGES):
+                if limit == 0:
+                    return 0
+                limit = self.backend.prefix_exists(self.keys(spec.name, hashes[:limit]))
+            accepted = [True] * (limit + 1)
+            for spec in self._by_policy(HitPolicy.TRAILING_PAGES):
+                if limit == 0:
+                    return 0
+                present = self.backend.exists(self.keys(spec.name, hashes[:limit]))
+                accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(present))]
+                limit = max(c for c, ok in enumerate(accepted) if ok)
+                accepted = accepted[: limit + 1]
+        except RetryableError as exc:
+            logger.warning("hicache_storage: multi-pool lookup of %d pages failed, reporting no hit: %s", len(hashes), exc)
+            return 0
+        return limit
+
+    def presence(self, page_hashes: Sequence[str]) -> dict[str, list[bool]]:
+        """Every pool's per-page presence over all of ``page_hashes`` (no shortcuts; errors raise)."""
+        return {name: self.backend.exists(self.keys(name, page_hashes)) for name in self.pools}
+
+    def put(self, pool: str, page_hashes: Sequence[str], buffers: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """Store each page of ``pool`` from its buffer(s) (``StorageBackend.put_from``, per key)."""
+        return self.backend.put_from(self.keys(pool, page_hashes), buffers)
+
+    def get_into(self, pool: str, page_hashes: Sequence[str], buffers: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """Read each page of ``pool`` into its buffer(s) (``StorageBackend.get_into``, per key)."""
+        return self.backend.get_into(self.keys(pool, page_hashes), buffers)
+
+    def _by_policy(self, policy: HitPolicy) -> list[PoolSpec]:
+        return [spec for spec in self.pools.values() if spec.hit_policy is policy]
+
+    def __repr__(self) -> str:
+        pools = [
+            spec.name if spec.hit_policy is HitPolicy.ALL_PAGES else f"{spec.name}[last {spec.trailing_pages}]"
+            for spec in self.pools.values()
+        ]
+        return f"<MultiPoolStore {self.backend.name!r} pools={pools}>"

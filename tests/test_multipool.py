@@ -1,0 +1,300 @@
+"""Multi-pool storage: hit-policy arithmetic, validation, lookups against the memory connector,
+and a store that fails (the only place a fault is injected: the memory connector itself is real)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
+from hicache_storage.keys import KeyScope, Namespace, PageKey
+from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, common_cuts, longest_cut
+
+ALL, TRAILING = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES
+KV = PoolSpec("kv")
+SWA = PoolSpec("swa", TRAILING, trailing_pages=3)
+MAMBA = PoolSpec("mamba", TRAILING)
+INDEXER = PoolSpec("indexer")
+
+
+def brute_force_cut(pools: Sequence[PoolSpec], presence: dict[str, list[bool]]) -> int:
+    """The definition, written out: the largest c whose needed pages are all present in every pool."""
+    n = len(presence[pools[0].name])
+    for c in range(n, -1, -1):
+        needed = {
+            spec.name: range(0, c) if spec.hit_policy is ALL else range(max(0, c - spec.trailing_pages), c) for spec in pools
+        }
+        if all(presence[name][i] for name, pages in needed.items() for i in pages):
+            return c
+    raise AssertionError("cut 0 needs nothing, so it is always accepted")
+
+
+def hashes(n: int, salt: int = 0) -> list[str]:
+    return ["%064x" % (salt * 1000 + i + 1) for i in range(n)]
+
+
+@pytest.fixture
+def scope() -> KeyScope:
+    return KeyScope(Namespace(model="hybrid-test", kv_dtype="bfloat16", page_size=16))
+
+
+@pytest.fixture
+def backend() -> MemoryBackend:
+    return MemoryBackend({})
+
+
+@pytest.fixture
+def store(backend: MemoryBackend, scope: KeyScope) -> MultiPoolStore:
+    return MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
+
+
+def write(store: MultiPoolStore, presence: dict[str, list[bool]], chain: list[str]) -> None:
+    for pool, present in presence.items():
+        pages = [h for h, here in zip(chain, present) if here]
+        assert store.put(pool, pages, [pool.encode() * 8] * len(pages)) == [True] * len(pages)
+
+
+# --- policy arithmetic --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "present", "expected"),
+    [
+        (KV, [], [True]),
+        (KV, [True, True, False, True], [True, True, True, False, False]),
+        (KV, [False, True], [True, False, False]),
+        (MAMBA, [False, True, False, True], [True, False, True, False, True]),
+        (SWA, [True, True], [True, True, True]),  # the window is longer than the prefix: all of it
+        (SWA, [False, True], [True, False, False]),
+        (SWA, [False, True, True, True, False], [True, False, False, False, True, False]),
+        (PoolSpec("w", TRAILING, trailing_pages=9), [True] * 4, [True] * 5),
+    ],
+    ids=["empty", "kv-hole", "kv-hole-at-head", "checkpoints", "window-longer-than-prefix", "window-head-missing",
+         "window-slides", "huge-window"],
+)
+def test_accepted_cuts(spec: PoolSpec, present: list[bool], expected: list[bool]) -> None:
+    assert spec.accepted_cuts(present) == expected
+
+
+def test_cut_zero_is_always_accepted() -> None:
+    for spec in (KV, SWA, MAMBA):
+        assert spec.accepted_cuts([False] * 5)[0] is True
+    assert longest_cut([KV, SWA], {"kv": [False] * 3, "swa": [False] * 3}) == 0
+    assert longest_cut([KV, MAMBA], {"kv": [], "mamba": []}) == 0
+
+
+def test_a_restorable_cut_need_not_be_contiguous_with_shorter_ones() -> None:
+    """SWA/Mamba: cut 5 can be restorable while 4 and 3 are not (SGLang's restorable_prefix_pages)."""
+    presence = {"kv": [True] * 6, "mamba": [False, False, True, False, True, False]}
+    assert common_cuts([KV, MAMBA], presence) == [True, False, False, True, False, True, False]
+    assert longest_cut([KV, MAMBA], presence) == 5
+
+
+def test_policy_accepts_its_string_value() -> None:
+    assert PoolSpec("swa", "trailing_pages", 2).hit_policy is TRAILING
+
+
+pools_strategy = st.lists(
+    st.one_of(st.just((ALL, 1)), st.tuples(st.just(TRAILING), st.integers(1, 6))), min_size=1, max_size=4
+).map(lambda specs: [PoolSpec(f"p{i}", policy, window) for i, (policy, window) in enumerate(specs)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools=pools_strategy, data=st.data())
+def test_longest_cut_matches_brute_force(pools: list[PoolSpec], data: st.DataObject) -> None:
+    n = data.draw(st.integers(0, 12))
+    presence = {spec.name: data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for spec in pools}
+    assert longest_cut(pools, presence) == brute_force_cut(pools, presence)
+    accepted = common_cuts(pools, presence)
+    assert accepted == [brute_force_cut(pools, {k: v[:c] for k, v in presence.items()}) == c for c in range(n + 1)]
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"name": ""}, "key part"),
+        ({"name": "swa", "hit_policy": "newest_page"}, "all_pages"),
+        ({"name": "swa", "hit_policy": TRAILING, "trailing_pages": 0}, ">= 1"),
+        ({"name": "swa", "hit_policy": TRAILING, "trailing_pages": True}, ">= 1"),
+        ({"name": "kv", "trailing_pages": 4}, "TRAILING_PAGES"),
+    ],
+    ids=["empty-name", "unknown-policy", "zero-window", "bool-window", "window-on-all-pages"],
+)
+def test_pool_spec_validation_names_the_fix(kwargs: dict, fix: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=fix):
+        PoolSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("pools", "fix"),
+    [
+        ([KV, PoolSpec("kv")], "unique.*rename"),
+        ([SWA, MAMBA], "at least one pool must use HitPolicy.ALL_PAGES"),
+        ([], "at least one pool"),
+        ([PoolSpec("KV")], r"not a valid key part.*\[a-z\]"),
+        ([KV, "swa"], "PoolSpec objects"),
+    ],
+    ids=["duplicate", "no-voting-pool", "no-pools", "bad-part", "not-a-spec"],
+)
+def test_store_validation_names_the_fix(backend: MemoryBackend, scope: KeyScope, pools: list, fix: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=fix):
+        MultiPoolStore(backend, scope, pools)
+
+
+def test_store_refuses_what_is_not_a_backend_or_scope(backend: MemoryBackend, scope: KeyScope) -> None:
+    with pytest.raises(InvalidArgumentError, match="StorageBackend"):
+        MultiPoolStore({}, scope, [KV])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="KeyScope"):
+        MultiPoolStore(backend, "scope", [KV])  # type: ignore[arg-type]
+
+
+def test_longest_cut_validation_names_the_fix() -> None:
+    with pytest.raises(InvalidArgumentError, match="no entry for pool.*'swa'"):
+        longest_cut([KV, SWA], {"kv": [True]})
+    with pytest.raises(InvalidArgumentError, match="same pages"):
+        longest_cut([KV, SWA], {"kv": [True], "swa": [True, True]})
+    with pytest.raises(InvalidArgumentError, match="at least the KV pool"):
+        longest_cut([], {})
+
+
+def test_unknown_pool_and_bare_hash_are_refused(store: MultiPoolStore) -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown pool 'draft'.*'kv', 'swa', 'mamba'"):
+        store.keys("draft", hashes(1))
+    with pytest.raises(InvalidArgumentError, match="wrap a single hash"):
+        store.usable_pages(hashes(1)[0])
+    with pytest.raises(InvalidArgumentError, match="wrap a single hash"):
+        store.put("kv", hashes(1)[0], [b"x"])
+
+
+# --- keys and values ----------------------------------------------------------------------------
+
+
+def test_keys_are_the_scope_with_the_pool_as_part(store: MultiPoolStore, scope: KeyScope) -> None:
+    chain = hashes(3)
+    for pool in ("kv", "swa", "mamba"):
+        assert store.keys(pool, chain) == [PageKey(scope.with_part(pool), h) for h in chain]
+    assert store.pools == {"kv": KV, "swa": SWA, "mamba": MAMBA}
+
+
+def test_same_hash_in_two_pools_is_two_values(store: MultiPoolStore) -> None:
+    chain = hashes(2)
+    store.put("kv", chain, [b"K" * 32, b"k" * 32])
+    store.put("swa", chain, [b"S" * 32, b"s" * 32])
+    out = [bytearray(32) for _ in range(4)]
+    assert store.get_into("kv", chain, out[:2]) == [True, True]
+    assert store.get_into("swa", chain, out[2:]) == [True, True]
+    assert [bytes(b) for b in out] == [b"K" * 32, b"k" * 32, b"S" * 32, b"s" * 32]
+    assert store.get_into("mamba", chain, [bytearray(32), bytearray(32)]) == [False, False]
+
+
+def test_sidecar_segments_travel_with_their_source(store: MultiPoolStore) -> None:
+    """A KV page whose value is K, V and the draft model's K, V round-trips as one value; a reader
+    without room for the draft segments gets a miss, never the target's KV alone."""
+    chain = hashes(2)
+    k, v, draft_k, draft_v = b"k" * 96, b"v" * 96, b"d" * 24, b"e" * 24
+    assert store.put("kv", chain, [[k, v, draft_k, draft_v]] * 2) == [True, True]
+    targets = [[bytearray(96), bytearray(96), bytearray(24), bytearray(24)] for _ in chain]
+    assert store.get_into("kv", chain, targets) == [True, True]
+    assert all([bytes(s) for s in t] == [k, v, draft_k, draft_v] for t in targets)
+    assert store.get_into("kv", chain, [[bytearray(96), bytearray(96)] for _ in chain]) == [False, False]
+
+
+# --- lookups ------------------------------------------------------------------------------------
+
+
+def test_checkpoint_at_cut_c_is_stored_under_page_c_minus_1(store: MultiPoolStore) -> None:
+    chain = hashes(8)
+    write(store, {"kv": [True] * 8, "swa": [True] * 8}, chain)
+    assert store.usable_pages(chain) == 0
+    store.put("mamba", [chain[4]], [b"state"])  # the state after pages 0..4: valid at cut 5
+    assert store.usable_pages(chain) == 5
+    store.put("mamba", [chain[7]], [b"state"])
+    assert store.usable_pages(chain) == 8
+
+
+def test_usable_pages_asks_side_pools_only_within_the_kv_prefix(backend: MemoryBackend, store: MultiPoolStore) -> None:
+    chain = hashes(10)
+    write(store, {"kv": [True] * 4, "swa": [True] * 10, "mamba": [True] * 10}, chain)
+    before = backend.stats()["exists_keys"]
+    assert store.usable_pages(chain) == 4
+    assert backend.stats()["exists_keys"] - before == 10 + 4 + 4  # one kv batch of 10, then 4 per side pool
+
+
+def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: MemoryBackend, scope: KeyScope) -> None:
+    store = MultiPoolStore(backend, scope, [KV, INDEXER, MAMBA, SWA])
+    chain = hashes(10)
+    write(store, {"kv": [True] * 10, "indexer": [True] * 10, "mamba": [i == 5 for i in range(10)], "swa": [True] * 10}, chain)
+    before = backend.stats()["exists_keys"]
+    assert store.usable_pages(chain) == 6
+    assert backend.stats()["exists_keys"] - before == 10 + 10 + 10 + 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_usable_pages_is_the_longest_cut_of_what_is_stored(data: st.DataObject) -> None:
+    pools = data.draw(pools_strategy.filter(lambda ps: any(p.hit_policy is ALL for p in ps)))
+    n = data.draw(st.integers(0, 10))
+    presence = {spec.name: data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for spec in pools}
+    store = MultiPoolStore(MemoryBackend({}), KeyScope(Namespace("m", "bfloat16", 4)), pools)
+    chain = hashes(n)
+    write(store, presence, chain)
+    assert store.presence(chain) == presence
+    assert store.usable_pages(chain) == brute_force_cut(pools, presence)
+
+
+@pytest.mark.parametrize("pool", ["swa", "mamba", "indexer"])
+def test_removing_any_one_side_page_the_full_cut_needs_shortens_the_hit(backend: MemoryBackend, scope: KeyScope, pool: str) -> None:
+    store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA, INDEXER])
+    n = 8
+    chain = hashes(n)
+    write(store, {name: [True] * n for name in store.pools}, chain)
+    assert store.usable_pages(chain) == n
+    spec = store.pools[pool]
+    needed = range(n) if spec.hit_policy is ALL else range(n - spec.trailing_pages, n)
+    for page in needed:
+        assert backend.delete(store.keys(pool, [chain[page]])) == [True]
+        presence = store.presence(chain)
+        usable = store.usable_pages(chain)
+        assert usable < n, f"a full hit with {pool} page {page} missing"
+        assert usable == brute_force_cut(list(store.pools.values()), presence)
+        store.put(pool, [chain[page]], [pool.encode() * 8])
+    assert store.usable_pages(chain) == n
+
+
+# --- a failing store ----------------------------------------------------------------------------
+
+
+class FailingExists(MemoryBackend):
+    """A memory store whose exists fails for the named key parts, as a dropped connection would."""
+
+    failing_parts: frozenset[str] = frozenset()
+
+    def _exists(self, keys: list[PageKey]) -> list[bool]:
+        if any(key.scope.part in self.failing_parts for key in keys):
+            raise BackendUnavailableError("connection reset by peer (injected)")
+        return super()._exists(keys)
+
+
+@pytest.mark.parametrize("failing", [{"kv"}, {"swa"}, {"mamba"}], ids=lambda parts: "-".join(sorted(parts)))
+def test_a_store_failing_with_a_retryable_error_reports_no_hit(
+    scope: KeyScope, caplog: pytest.LogCaptureFixture, failing: set[str]
+) -> None:
+    backend = FailingExists({})
+    store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
+    chain = hashes(4)
+    write(store, {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True] * 4}, chain)
+    assert store.usable_pages(chain) == 4
+    backend.failing_parts = frozenset(failing)
+    with caplog.at_level(logging.WARNING, logger="hicache_storage.multipool"):
+        assert store.usable_pages(chain) == 0
+    assert "connection reset by peer (injected)" in caplog.text and "reporting no hit" in caplog.text
+    with pytest.raises(BackendUnavailableError):
+        store.presence(chain)
