@@ -499,21 +499,46 @@ class RadixTree:
             yield node
             node = node.parent  # type: ignore[assignment]
 
+    # --- session references (see hicache_core.sessions) ---------------------------------------
+
+    def in_tree(self, node: TreeNode) -> bool:
+        """Whether ``node`` is a live non-root node (a deleted node has lost its parent)."""
+        return node is not self.root and node.parent is not None
+
+    def add_session_ref(self, node: TreeNode) -> bool:
+        """One more session references ``node`` directly; False (nothing counted) if it is the root or deleted.
+
+        Unlike a lock, only ``node`` is counted (O(1)): eviction works out which ancestors lead to a
+        referenced node once per eviction (``_settle_recency``). A reference never blocks eviction.
+        """
+        if not self.in_tree(node):
+            return False
+        node.session_refs += 1
+        return True
+
+    def drop_session_ref(self, node: TreeNode) -> None:
+        """Undo one ``add_session_ref``; a no-op for a node deleted since (its count died with it)."""
+        if self.in_tree(node):
+            node.session_refs -= 1
+            assert node.session_refs >= 0, node
+
     # --- eviction -----------------------------------------------------------------------------
 
     def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
         """Free at least ``num_tokens`` device slots from least recently used unlocked leaves.
 
-        A node without a host copy is first offered to ``backup`` (write-back); if it still has
-        none it is deleted with its host-only descendants, unless host I/O protects them.
+        Nodes leading to no session-referenced node go first, then the rest (each group least
+        recently used first): a session reference is a preference, never a pin. A node without
+        a host copy is first offered to ``backup`` (write-back); if it still has none it is
+        deleted with its host-only descendants, unless host I/O protects them.
         Returns the number of device tokens freed (less than asked when too much is locked).
         """
-        self._settle_recency()
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
+        referenced = self._settle_recency()
+        heap = [(n in referenced, n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
             if not self._device_evictable(node):
                 continue
             if node.host_value is None and backup is not None:
@@ -531,17 +556,18 @@ class RadixTree:
                 continue
             freed += size
             if parent is not None and self._device_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (parent in referenced, parent.last_access, parent.id, parent))
         return freed
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots; never a node with host I/O in flight or locked.
 
-        Host-only leaves go first (the node is deleted), then host copies of device-resident
-        nodes (the node stays on the device); each group least recently used first.
+        Nodes leading to no session-referenced node go first, then the rest (no pinning). In
+        each of those groups host-only leaves go first (the node is deleted), then host copies
+        of device-resident nodes (the node stays on the device); least recently used first.
         """
-        self._settle_recency()
-        heap = [self._host_rank(n) for n in self.nodes() if self._host_evictable(n)]
+        referenced = self._settle_recency()
+        heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -556,7 +582,7 @@ class RadixTree:
                 parent = node.parent
                 self._delete_subtree(node)
                 if parent is not None and self._host_evictable(parent):
-                    heapq.heappush(heap, self._host_rank(parent))
+                    heapq.heappush(heap, self._host_rank(parent, referenced))
         return freed
 
     def drop_host_value(self, node: TreeNode) -> None:
@@ -582,18 +608,29 @@ class RadixTree:
             self._forget(node, parent)
             node = parent
 
-    def _settle_recency(self) -> None:
-        """Give every node the latest access time in its subtree.
+    def _settle_recency(self) -> set[TreeNode]:
+        """Give every node the latest access time in its subtree; return the session-referenced nodes.
 
         Whatever reaches a node went through all its ancestors, so an ancestor was used at least
         as recently as any descendant. A match stamps only the deepest node it reached (no walk
         along the path); the path's times are filled in here, once per eviction, which visits
         every node anyway. Deleted nodes hand their time to their parent (``_forget``).
+
+        A node is referenced when it or a descendant has ``session_refs``: worked out here in
+        the same bottom-up pass, so a session reference costs nothing per match or insert. The
+        set is a snapshot for one eviction: a referenced node deleted during it leaves its
+        ancestors counted as referenced until the next eviction.
         """
+        referenced: set[TreeNode] = set()
         for node in reversed(list(self.nodes())):
             parent = node.parent
             if parent is not None and parent.last_access < node.last_access:
                 parent.last_access = node.last_access
+            if node.session_refs or node in referenced:
+                referenced.add(node)
+                if parent is not None:
+                    referenced.add(parent)
+        return referenced
 
     def _device_evictable(self, node: TreeNode) -> bool:
         return (
@@ -615,8 +652,8 @@ class RadixTree:
         )
 
     @staticmethod
-    def _host_rank(node: TreeNode) -> tuple[int, float, int, TreeNode]:
-        return (0 if node.device_value is None else 1, node.last_access, node.id, node)
+    def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[bool, int, float, int, TreeNode]:
+        return (node in referenced, 0 if node.device_value is None else 1, node.last_access, node.id, node)
 
     def _delete_subtree(self, node: TreeNode) -> None:
         """Remove ``node`` (no device copy left) and its descendants, freeing their host copies."""
