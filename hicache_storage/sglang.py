@@ -58,6 +58,7 @@ from hicache_storage.errors import (
     UnsupportedOperationError,
 )
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard
+from hicache_storage.multipool import HitPolicy, PoolSpec
 from hicache_storage.registry import create_backend
 
 logger = logging.getLogger(__name__)
@@ -357,35 +358,31 @@ class HiCacheStorageAdapter(HiCacheStorage):
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The longest prefix every pool can restore, with SGLang's ``all_pages``/``trailing_pages`` policies."""
+        """The longest prefix every pool can restore, with SGLang's ``all_pages``/``trailing_pages`` policies.
+
+        The KV prefix bounds the answer; each side pool is then asked over that prefix and votes with
+        its :class:`~hicache_storage.multipool.PoolSpec` (a trailing pool's window is the number of
+        keys it transfers). ``restorable_prefix_pages`` lists every cut all pools accept, since a
+        trailing pool may accept cut 5 but not 4.
+        """
         kv_pages = self.batch_exists(keys, extra_info)
         hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
+        restorable = [True] * (kv_pages + 1)
         for transfer in pool_transfers or []:
-            if not restorable:
+            if not any(restorable[1:]):
                 break
+            spec = _pool_spec(transfer)
             scope = self._scope_for(transfer.name)
             try:
                 present = self.backend.exists(self._keys(keys[:kv_pages], scope))
             except RetryableError as exc:
                 logger.warning("hicache_storage: exists query for pool %s failed: %s", transfer.name, exc)
                 present = [False] * kv_pages
-            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = present.index(False) if False in present else kv_pages
-                accepted = set(range(1, boundary + 1))
-            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(transfer.keys or ()))
-                accepted = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window) : n])}
-            else:
-                raise UnsupportedOperationError(
-                    f"pool hit policy {transfer.hit_policy!s} is not supported by the hicache_storage adapter",
-                    backend="sglang-adapter",
-                    operation="batch_exists_v2",
-                )
-            if accepted:
-                hits[str(transfer.name)] = max(accepted)
-            restorable &= accepted
-        ordered = sorted(restorable)
+            accepted = spec.accepted_cuts(present)
+            if any(accepted[1:]):
+                hits[str(transfer.name)] = max(c for c, ok in enumerate(accepted) if ok)
+            restorable = [a and b for a, b in zip(restorable, accepted)]
+        ordered = [c for c, ok in enumerate(restorable) if ok and c > 0]
         return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
 
     def batch_get_v2(
@@ -446,6 +443,19 @@ def page_hash_of(key: str) -> str:
     if not isinstance(key, str):
         raise InvalidArgumentError(f"SGLang storage keys are strings, got {type(key).__name__}")
     return key if _HASH_RE.fullmatch(key) else hashlib.sha256(key.encode()).hexdigest()
+
+
+def _pool_spec(transfer: PoolTransfer) -> PoolSpec:
+    """The hit policy of one of SGLang's pool transfers; a trailing window is the keys it transfers."""
+    if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+        return PoolSpec(str(transfer.name), HitPolicy.ALL_PAGES)
+    if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+        return PoolSpec(str(transfer.name), HitPolicy.TRAILING_PAGES, max(1, len(transfer.keys or ())))
+    raise UnsupportedOperationError(
+        f"pool hit policy {transfer.hit_policy!s} is not supported by the hicache_storage adapter",
+        backend="sglang-adapter",
+        operation="batch_exists_v2",
+    )
 
 
 def _format_name(pool: Any) -> str:
