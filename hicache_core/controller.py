@@ -5,7 +5,8 @@
   ``write_back`` only when it is evicted from the device.
 * **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
   thread in batches of at most ``batch_pages``; pages already stored (a live ``prefix_exists``)
-  are skipped, and the first failed batch ends the operation. Only ``shard.is_writer`` ranks write.
+  are skipped, except pages a prefetch found unreadable (rewritten), and the first failed batch
+  ends the operation. Only ``shard.is_writer`` ranks write.
 * **Prefetch** (storage -> host): see :mod:`hicache_core.prefetch` (``controller.prefetcher``).
 * **Load back** (host -> device) layer by layer; see :mod:`hicache_core.transfer`.
 * **Buffer-only**: host memory only stages pages on their way to and from storage.
@@ -268,20 +269,32 @@ class CacheController:
                 self._backup_acks.put(op)
 
     def _run_backup(self, backend: StorageBackend, op: _BackupOp) -> None:
-        assert self.scope is not None and self.host is not None
+        """Store the pages of ``op`` the store lacks, and rewrite those a read found bad.
+
+        Pages ``prefix_exists`` reports are skipped, except the prefetcher's suspects (reported,
+        yet unreadable: corrupted or truncated in place), which would otherwise stay bad forever.
+        A page stored here stops being suspect.
+        """
+        assert self.scope is not None and self.host is not None and self.prefetcher is not None
         if not self.scope.shard.is_writer:
             return
         started = time.perf_counter()
         keys = self.scope.keys(op.hashes)
         present = guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists")
-        op.stored_pages = present
-        self.metrics.add(storage_backup_skipped_pages=present)
+        suspects = self.prefetcher.suspects
+        rewrite = suspects.among(op.hashes[:present])
+        op.stored_pages = present - len(rewrite)
+        self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
         segments = self.host.segments_for(op.host_indices)
+        pages = [*rewrite, *range(present, len(keys))]
         step = self.config.batch_pages
-        for begin in range(present, len(keys), step):
-            batch = slice(begin, min(begin + step, len(keys)))
-            results = guarded_call(self.metrics, lambda: backend.put_from(keys[batch], segments[batch]), None, "put")
+        for begin in range(0, len(pages), step):
+            batch = pages[begin : begin + step]
+            results = guarded_call(
+                self.metrics, lambda: backend.put_from([keys[i] for i in batch], [segments[i] for i in batch]), None, "put"
+            )
             stored = leading_successes(results)
+            suspects.forget(op.hashes[i] for i in batch[:stored])
             op.stored_pages += stored
             self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * self.host.page_bytes)
             if results is None or stored < len(results):

@@ -5,8 +5,10 @@ A request whose prompt continues past its cached prefix by at least ``threshold_
 op is issued when the host pages it needs fit the in-flight capacity; a rate-limited op keeps
 its place and is issued on a later try. The prefetch thread asks the store ``prefix_exists``
 (live, never cached), revokes the op below the threshold, and reads in batches of at most
-``batch_pages``, each batch's leading successes only, stopping at the first failed batch. The
-scheduler stops waiting by the stop policy: ``best_effort`` (take what arrived), ``wait_complete``,
+``batch_pages``, each batch's leading successes only, stopping at the first failed batch. A page
+the store reported yet failed to read (corrupted, truncated, gone) is remembered in
+:attr:`Prefetcher.suspects`, so the next backup of that page rewrites it instead of skipping it
+as present. The scheduler stops waiting by the stop policy: ``best_effort`` (take what arrived), ``wait_complete``,
 or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds after issue), then puts the
 completed pages into the tree as host copies.
 
@@ -25,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +94,48 @@ class PrefetchOp:
         return len(self.hashes)
 
 
+class SuspectPages:
+    """Hashes of pages the store reported yet could not read back: candidates for a rewrite.
+
+    Bounded: past ``capacity`` the oldest are forgotten (their pages stay as they are, as they
+    would without this record). Thread-safe: the prefetch thread adds, the backup thread looks up
+    and forgets.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._hashes: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, hashes: Iterable[str]) -> None:
+        with self._lock:
+            for page_hash in hashes:
+                self._hashes[page_hash] = None
+                self._hashes.move_to_end(page_hash)
+            while len(self._hashes) > self.capacity:
+                self._hashes.popitem(last=False)
+
+    def among(self, hashes: list[str]) -> list[int]:
+        """Indices of the suspect pages in ``hashes``."""
+        with self._lock:
+            return [i for i, page_hash in enumerate(hashes) if page_hash in self._hashes]
+
+    def forget(self, hashes: Iterable[str]) -> None:
+        with self._lock:
+            for page_hash in hashes:
+                self._hashes.pop(page_hash, None)
+
+    def __contains__(self, page_hash: object) -> bool:
+        with self._lock:
+            return page_hash in self._hashes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._hashes)
+
+
 class Prefetcher:
     """Owns prefetch operations; the scheduler thread calls every public method, one thread reads."""
 
@@ -119,6 +164,8 @@ class Prefetcher:
         self.scope: KeyScope | None = None
         self._queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        #: Pages whose read failed although the store reported them; the backup rewrites them.
+        self.suspects = SuspectPages()
 
     def start(self, backend: StorageBackend, scope: KeyScope) -> None:
         self.storage, self.scope = backend, scope
@@ -257,6 +304,9 @@ class Prefetcher:
                 batch = slice(begin, min(begin + step, hit))
                 results = guarded_call(self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get")
                 got = leading_successes(results)
+                if results is not None:
+                    # Every page here was reported present: a failed read means its stored copy is bad or gone.
+                    self.suspects.add(op.hashes[begin + i] for i, ok in enumerate(results) if not ok)
                 slot_end = (begin + got) * self.page_size
                 self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
                 pinned_from = slot_end

@@ -1,0 +1,121 @@
+"""A page corrupted in L3 is rewritten by the next backup of that page, so its hits come back.
+
+The store keeps saying such a page exists (its file is there, same length), so a backup that
+skips what ``prefix_exists`` reports would never replace it, and every later read would miss
+through the integrity wrapper. The prefetcher remembers a page whose read failed although the
+store reported it (``Prefetcher.suspects``); the next backup of that page rewrites it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from hicache_core import (
+    CacheTiers,
+    ControllerConfig,
+    Engine,
+    EngineConfig,
+    ModelConfig,
+    PrefetchConfig,
+    Request,
+    RequestResult,
+    StopPolicy,
+)
+from hicache_core.prefetch import SuspectPages
+from hicache_storage import create_backend
+from hicache_storage.keys import page_hashes
+from hicache_storage.wrappers import IntegrityWrapper
+
+MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=13)
+PAGE_SIZE = 4
+PROMPT = [int(t) for t in torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(8))]
+CORRUPT_PAGE = 5  # a page in the middle: the pages before it still hit, the ones after cannot
+
+
+def engine_config(tiers: CacheTiers) -> EngineConfig:
+    controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE))
+    return EngineConfig(model=MODEL, tiers=tiers, page_size=PAGE_SIZE, device_pages=64, host_pages=64,
+                        host_ratio=None, controller=controller)
+
+
+def serve_once(engine: Engine, tag: str) -> RequestResult:
+    """L1 and L2 emptied first, so whatever is cached must come from L3."""
+    engine.flush_cache()
+    (result,) = engine.serve([Request(tag, PROMPT, 3)])
+    return result
+
+
+def same_outputs(want: RequestResult, have: RequestResult) -> bool:
+    assert want.logits is not None and have.logits is not None
+    return want.output_ids == have.output_ids and torch.equal(want.logits.view(torch.int32), have.logits.view(torch.int32))
+
+
+def integrity_misses(integrity: IntegrityWrapper) -> int:
+    return sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
+
+
+def corrupt_page_file(root: Path, page_hash: str) -> None:
+    """Flip one byte of the page's file behind the SDK, keeping its length (so it still 'exists')."""
+    (path,) = [p for p in root.rglob(page_hash) if p.is_file()]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_page_is_rewritten_and_hits_again(tmp_path):
+    with Engine(engine_config(CacheTiers.OFF)) as off:
+        expected = off.serve([Request("off", PROMPT, 3)])[0]
+    root = tmp_path / "kv"
+    integrity = IntegrityWrapper(create_backend("file", {"root": str(root)}))
+    with Engine(engine_config(CacheTiers.L1_L2_L3), storage=integrity) as engine:
+        assert same_outputs(expected, serve_once(engine, "warm"))
+        healthy = serve_once(engine, "healthy")
+        assert same_outputs(expected, healthy)
+        assert healthy.cached_storage > (CORRUPT_PAGE + 1) * PAGE_SIZE, "the healthy run must read past the page to corrupt"
+        engine.flush_cache()
+
+        bad_hash = page_hashes(PROMPT[: (CORRUPT_PAGE + 1) * PAGE_SIZE], PAGE_SIZE)[CORRUPT_PAGE]
+        corrupt_page_file(root, bad_hash)
+        misses = integrity_misses(integrity)
+        corrupted = serve_once(engine, "corrupted")
+        assert same_outputs(expected, corrupted), "a corrupted page must be a miss, never served as KV"
+        assert corrupted.cached_storage == CORRUPT_PAGE * PAGE_SIZE, "reads stop at the corrupted page"
+        assert integrity_misses(integrity) > misses, "the corruption was not read"
+        engine.drain()  # the backup that follows the recompute
+
+        later = [serve_once(engine, f"later{n}") for n in range(2)]
+        for result in later:
+            assert same_outputs(expected, result)
+        assert [r.cached_storage for r in later] == [healthy.cached_storage] * 2, (
+            "the corrupted page stayed in L3: its hits never came back"
+        )
+        assert engine.controller.prefetcher is not None and bad_hash not in engine.controller.prefetcher.suspects
+
+
+def test_suspect_pages_are_bounded_and_forgotten_once_rewritten():
+    suspects = SuspectPages(capacity=3)
+    suspects.add(["a", "b", "c", "d"])  # the oldest, "a", makes room
+    assert [h in suspects for h in "abcd"] == [False, True, True, True]
+    assert suspects.among(["x", "c", "b", "y"]) == [1, 2]
+    suspects.forget(["b", "x"])
+    assert len(suspects) == 2 and "b" not in suspects
+
+
+def test_suspect_pages_from_many_threads_stay_within_capacity():
+    suspects = SuspectPages(capacity=100)
+
+    def churn(worker: int) -> None:
+        for n in range(2000):
+            suspects.add([f"{worker}-{n}"])
+            suspects.forget([f"{worker}-{n - 1}"])
+            suspects.among([f"{worker}-{n}", f"{worker}-{n - 2}"])
+
+    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(suspects) <= 100
