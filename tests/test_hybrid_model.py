@@ -100,6 +100,46 @@ def test_random_chunking_is_bit_identical_to_one_shot(model, one_shot, split_see
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"window": 1},  # a query sees only itself
+        {"window": 64},  # the window never slides within LENGTH
+        {"kv_heads": 4, "layer_kinds": ("recurrent", "swa", "full")},  # recurrence first, no head grouping
+        {"layer_kinds": ("swa", "swa", "recurrent", "full", "recurrent"), "window": 8, "state_dim": 3},
+    ],
+)
+def test_chunking_invariance_holds_for_other_shapes(overrides) -> None:
+    model = HybridDecoder(HybridModelConfig(**{**CONFIG.__dict__, **overrides}))
+    tokens = tokens_for(7)
+    results = []
+    for seed, bounds in ((0, [0, LENGTH]), (1, list(range(LENGTH + 1))), (2, random_bounds(5))):
+        run = Run(model, seed=seed)
+        logits, _ = run.prefill(tokens, bounds)
+        results.append((logits, run.state))
+    assert torch.isfinite(results[0][0]).all()
+    for logits, state in results[1:]:
+        assert same_bits(logits, results[0][0])
+        assert same_bits(state, results[0][1])
+
+
+def test_forward_writes_only_the_new_tokens_slots(model) -> None:
+    """Other requests' slots keep their bits, and this request's cached slots are not rewritten."""
+    run = Run(model, seed=6)
+    tokens = tokens_for(1)
+    run.prefill(tokens, [0, 20])
+    full_before, swa_before = run.full_kv.clone(), run.swa_kv.clone()
+    run.forward(tokens, 20, 27, tombstone=False)
+    full_new, swa_new = run.full_slots[20:27], run.swa_slots[20:27]
+    full_rest = torch.ones(SLOTS, dtype=torch.bool)
+    full_rest[full_new] = False
+    swa_rest = torch.ones(SLOTS, dtype=torch.bool)
+    swa_rest[swa_new] = False
+    assert same_bits(run.full_kv[:, :, full_rest], full_before[:, :, full_rest])
+    assert same_bits(run.swa_kv[:, :, swa_rest], swa_before[:, :, swa_rest])
+    assert torch.isfinite(run.full_kv[:, :, full_new]).all() and torch.isfinite(run.swa_kv[:, :, swa_new]).all()
+
+
 def test_token_by_token_is_bit_identical_and_snapshots_match_the_state_at_each_position(model, one_shot) -> None:
     want_logits, want_state, snapshots = one_shot
     assert sorted(snapshots) == list(range(1, LENGTH + 1))
