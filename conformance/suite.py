@@ -46,6 +46,7 @@ from hicache_storage.errors import (
     ValueTooLargeError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
+from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.registry import create_backend
 
 #: Largest ``max_value_size`` the suite writes in full to prove the limit is honest.
@@ -70,6 +71,28 @@ SHARD_VARIANTS: dict[str, Shard] = {
     "cp_size": Shard(cp_rank=0, cp_size=2),
     "replicated": Shard(replicated=True),
 }
+
+
+# A hybrid model's pools: full-attention KV and an indexer need every page before the cut, a
+# sliding window its last 2 pages, a recurrent checkpoint its last page.
+HYBRID_POOLS = (
+    PoolSpec("kv"),
+    PoolSpec("indexer"),
+    PoolSpec("swa", HitPolicy.TRAILING_PAGES, trailing_pages=2),
+    PoolSpec("mamba", HitPolicy.TRAILING_PAGES, trailing_pages=1),
+)
+#: Bytes of one page of one pool in the multi-pool clauses (small: they write many pages).
+POOL_PAGE_BYTES = 256
+
+
+def restorable_cut(pools: tuple[PoolSpec, ...], presence: dict[str, list[bool]]) -> int:
+    """The suite's own model of the longest cut: the largest c whose needed pages every pool holds."""
+    pages = len(presence[pools[0].name])
+    for cut in range(pages, -1, -1):
+        first = {spec.name: 0 if spec.hit_policy is HitPolicy.ALL_PAGES else max(0, cut - spec.trailing_pages) for spec in pools}
+        if all(all(presence[name][first[name] : cut]) for name in first):
+            return cut
+    raise AssertionError("cut 0 needs no page, so some cut is always restorable")
 
 
 def random_hash(rng: random.Random) -> str:
@@ -562,3 +585,91 @@ class ConformanceTests:
                 suppress_health_check=list(HealthCheck),
             ),
         )
+
+    # --- multi-pool storage (hybrid models: KV plus side pools) --------------------------------
+
+    def hybrid_store(self, store: StorageBackend, scope: KeyScope) -> MultiPoolStore:
+        return MultiPoolStore(store, scope, HYBRID_POOLS)
+
+    def write_pools(self, pools: MultiPoolStore, chain: list[str], presence: dict[str, list[bool]]) -> None:
+        for name, present in presence.items():
+            pages = [h for h, here in zip(chain, present) if here]
+            values = [(name.encode() + bytes.fromhex(h)).ljust(POOL_PAGE_BYTES, b"\0") for h in pages]
+            assert pools.put(name, pages, values) == [True] * len(pages), f"put did not store every page of pool {name!r}"
+
+    def test_multipool_pools_are_isolated(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """The same page hash in two pools names two values: each reads back its own bytes."""
+        pools = self.hybrid_store(store, scope)
+        page_hash = random_hash(rng)
+        kv_value, swa_value = rng.randbytes(POOL_PAGE_BYTES), rng.randbytes(POOL_PAGE_BYTES)
+        assert pools.put("kv", [page_hash], [kv_value]) == [True]
+        assert pools.presence([page_hash]) == {"kv": [True], "indexer": [False], "swa": [False], "mamba": [False]}
+        assert pools.put("swa", [page_hash], [swa_value]) == [True]
+        targets = [bytearray(POOL_PAGE_BYTES) for _ in range(3)]
+        assert pools.get_into("kv", [page_hash], targets[:1]) == [True]
+        assert pools.get_into("swa", [page_hash], targets[1:2]) == [True]
+        assert pools.get_into("mamba", [page_hash], targets[2:]) == [False]
+        assert (bytes(targets[0]), bytes(targets[1])) == (kv_value, swa_value)
+
+    def test_multipool_delete_in_one_pool_leaves_the_others(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        self.require(store, "delete")
+        pools = self.hybrid_store(store, scope)
+        page_hash = random_hash(rng)
+        values = {name: rng.randbytes(POOL_PAGE_BYTES) for name in pools.pools}
+        for name, value in values.items():
+            assert pools.put(name, [page_hash], [value]) == [True]
+        assert store.delete(pools.keys("swa", [page_hash])) == [True]
+        assert pools.presence([page_hash]) == {"kv": [True], "indexer": [True], "swa": [False], "mamba": [True]}
+        for name in ("kv", "indexer", "mamba"):
+            target = bytearray(POOL_PAGE_BYTES)
+            assert pools.get_into(name, [page_hash], [target]) == [True]
+            assert bytes(target) == values[name], f"deleting a swa page changed the {name} page"
+
+    def test_multipool_checkpoint_is_stored_under_its_last_page(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """A recurrent checkpoint valid at cut c lives under page c - 1's hash: the prefix ends at the
+        last cut with a checkpoint, even where later KV is stored."""
+        pools = self.hybrid_store(store, scope)
+        chain = [random_hash(rng) for _ in range(6)]
+        full = [True] * 6
+        self.write_pools(pools, chain, {"kv": full, "indexer": full, "swa": full, "mamba": [i in (1, 4) for i in range(6)]})
+        assert pools.usable_pages(chain) == 5
+        assert pools.usable_pages(chain[:4]) == 2
+
+    def test_multipool_usable_pages_is_the_longest_cut(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """Random presence in every pool: the lookup equals the model's longest cut every pool accepts."""
+        pools = self.hybrid_store(store, scope)
+        for _ in range(4):
+            chain = [random_hash(rng) for _ in range(8)]
+            presence = {spec.name: [rng.random() < 0.85 for _ in chain] for spec in HYBRID_POOLS}
+            self.write_pools(pools, chain, presence)
+            assert pools.presence(chain) == presence
+            assert pools.usable_pages(chain) == restorable_cut(HYBRID_POOLS, presence), presence
+
+    def test_multipool_removing_any_side_page_shortens_the_hit(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """Delete any one page a side pool needs at the full cut: never a full hit with missing state."""
+        self.require(store, "delete")
+        pools = self.hybrid_store(store, scope)
+        chain = [random_hash(rng) for _ in range(6)]
+        full = {spec.name: [True] * len(chain) for spec in HYBRID_POOLS}
+        self.write_pools(pools, chain, full)
+        assert pools.usable_pages(chain) == len(chain)
+        for spec in HYBRID_POOLS[1:]:
+            needed = range(len(chain)) if spec.hit_policy is HitPolicy.ALL_PAGES else range(len(chain) - spec.trailing_pages, len(chain))
+            for page in needed:
+                assert store.delete(pools.keys(spec.name, [chain[page]])) == [True]
+                presence = {**full, spec.name: [i != page for i in range(len(chain))]}
+                usable = pools.usable_pages(chain)
+                assert usable < len(chain), f"a full hit with page {page} of pool {spec.name!r} missing"
+                assert usable == restorable_cut(HYBRID_POOLS, presence)
+                self.write_pools(pools, chain, {spec.name: [i == page for i in range(len(chain))]})
+        assert pools.usable_pages(chain) == len(chain)
+
+    def test_multipool_sidecar_segments_round_trip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+        """A draft model's KV rides as extra segments of the KV page: one value, saved and restored together."""
+        pools = self.hybrid_store(store, scope)
+        chain = [random_hash(rng) for _ in range(3)]
+        pages = [[rng.randbytes(POOL_PAGE_BYTES), rng.randbytes(POOL_PAGE_BYTES), rng.randbytes(64), rng.randbytes(64)] for _ in chain]
+        assert pools.put("kv", chain, pages) == [True] * 3
+        targets = [[bytearray(len(segment)) for segment in page] for page in pages]
+        assert pools.get_into("kv", chain, targets) == [True] * 3
+        assert [[bytes(segment) for segment in page] for page in targets] == pages

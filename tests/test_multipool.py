@@ -4,12 +4,14 @@ and a store that fails (the only place a fault is injected: the memory connector
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache_storage.conformance.suite import ConformanceTests
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
@@ -298,3 +300,72 @@ def test_a_store_failing_with_a_retryable_error_reports_no_hit(
     assert "connection reset by peer (injected)" in caplog.text and "reporting no hit" in caplog.text
     with pytest.raises(BackendUnavailableError):
         store.presence(chain)
+
+
+# --- the conformance clauses fail stores that break the multi-pool contract ---------------------
+
+
+class IgnoresPart(MemoryBackend):
+    """Files every pool's page under the KV key: side state and KV overwrite each other."""
+
+    @staticmethod
+    def _kv(keys: list[PageKey]) -> list[PageKey]:
+        return [PageKey(key.scope.with_part("kv"), key.page_hash) for key in keys]
+
+    def _exists(self, keys):
+        return super()._exists(self._kv(keys))
+
+    def _get_into(self, keys, targets):
+        return super()._get_into(self._kv(keys), targets)
+
+    def _put_from(self, keys, sources):
+        return super()._put_from(self._kv(keys), sources)
+
+
+class DeleteKeepsPages(MemoryBackend):
+    """Reports pages deleted and keeps them (a delete acknowledged before it is applied, then lost)."""
+
+    def _delete(self, keys):
+        return super()._exists(keys)
+
+
+class KeepsFirstTwoSegments(MemoryBackend):
+    """Stores only the K and V segments of a page and pads the rest: the draft model's KV is lost."""
+
+    def _put_from(self, keys, sources):
+        return super()._put_from(keys, [[*s[:2], memoryview(bytes(sum(v.nbytes for v in s[2:])))] for s in sources])
+
+
+class SidePoolsAlwaysPresent(MemoryBackend):
+    """Answers 'present' for every side-pool page, as a cache that only tracks the KV would."""
+
+    def _exists(self, keys):
+        return [key.scope.part != "kv" or hit for key, hit in zip(keys, super()._exists(keys))]
+
+
+@pytest.mark.parametrize(
+    ("broken", "clause"),
+    [
+        (IgnoresPart, "test_multipool_pools_are_isolated"),
+        (IgnoresPart, "test_multipool_delete_in_one_pool_leaves_the_others"),
+        (DeleteKeepsPages, "test_multipool_removing_any_side_page_shortens_the_hit"),
+        (SidePoolsAlwaysPresent, "test_multipool_removing_any_side_page_shortens_the_hit"),
+        (SidePoolsAlwaysPresent, "test_multipool_usable_pages_is_the_longest_cut"),
+        (SidePoolsAlwaysPresent, "test_multipool_checkpoint_is_stored_under_its_last_page"),
+        (KeepsFirstTwoSegments, "test_multipool_sidecar_segments_round_trip"),
+    ],
+)
+def test_the_suite_fails_a_broken_store(broken: type[MemoryBackend], clause: str) -> None:
+    scope = KeyScope(Namespace(model=f"broken-{broken.__name__.lower()}", kv_dtype="bfloat16", page_size=16))
+    with pytest.raises(AssertionError):
+        getattr(ConformanceTests(), clause)(broken({}), scope, random.Random(clause))
+
+
+MULTIPOOL_CLAUSES = sorted(name for name in dir(ConformanceTests) if name.startswith("test_multipool_"))
+
+
+@pytest.mark.parametrize("clause", MULTIPOOL_CLAUSES)
+def test_the_suite_passes_the_reference_store(clause: str) -> None:
+    """The same clauses called the same way pass on the memory connector, so the failures above are the breakage."""
+    scope = KeyScope(Namespace(model="reference", kv_dtype="bfloat16", page_size=16))
+    getattr(ConformanceTests(), clause)(MemoryBackend({}), scope, random.Random(clause))
