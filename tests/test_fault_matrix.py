@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -567,81 +566,38 @@ def test_engine_killed_while_writing_then_served_from_its_pages(tmp_path, baseli
     assert figures.storage_hit_tokens_after > 0, "the dead engine's published pages were not used"
 
 
-# --- faults the store cannot be made to show on demand: a wrapper over the real store ----------
+# --- faults the store cannot be made to show on demand: the fault wrapper over the real store --
 
 
-class DeleteAfterExists(BackendWrapper):
-    """Once armed, deletes (through the real store) the second half of the pages ``exists`` just
-    reported, so the reads that follow find them gone: a page evicted between exists and get."""
-
-    kind = "delete-after-exists"
-
-    def __init__(self, inner: StorageBackend) -> None:
-        super().__init__(inner)
-        self.armed = threading.Event()
-        self.deleted = 0
-
-    def _exists(self, keys: list[PageKey]) -> list[bool]:
-        results = super()._exists(keys)
-        if self.armed.is_set():
-            present = [k for k, hit in zip(keys, results) if hit]
-            gone = present[len(present) // 2 :]
-            if gone:
-                self.deleted += sum(self.inner.delete(gone))
-        return results
+def paused_faults(storage: StorageBackend, faults: dict[str, Any]) -> FaultInjectionWrapper:
+    """The fault wrapper over ``storage``, paused: the scenario's inject resumes it, clear pauses it."""
+    return FaultInjectionWrapper(storage, {"seed": 1, "enabled": False, **faults})
 
 
 @pytest.mark.services
 @pytest.mark.parametrize("label", ["file", "redis", "s3", "mooncake"])
 def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label):
+    """Half the pages ``exists`` reports are deleted (through the real store) right after it, so
+    the reads that follow find them gone: a page evicted between exists and get."""
     name, config = connector_config(request, label, tmp_path)
-    store = DeleteAfterExists(create_backend(name, config))
+    store = paused_faults(create_backend(name, config), {"exists": {"vanish_rate": 0.5}})
     figures = Figures("page deleted between exists and get", label)
-    run_scenario(figures, store, baseline, store.armed.set, store.armed.clear,
-                 lambda: f"{store.deleted} pages deleted after exists")
-    assert store.deleted > 0, "no page was deleted under a reader"
+    run_scenario(figures, store, baseline, store.resume, store.pause,
+                 lambda: f"{store.stats()['faults_vanish']} pages deleted after exists")
+    assert store.stats()["faults_vanish"] > 0, "no page was deleted under a reader"
     assert figures.failed_batches > 0, "reads that found pages gone must count as failed batches"
-
-
-class Switch(BackendWrapper):
-    """Routes every call to ``healthy`` or, while on, to ``faulty`` (both over the same store)."""
-
-    kind = "switch"
-
-    def __init__(self, healthy: StorageBackend, faulty: StorageBackend) -> None:
-        super().__init__(healthy)
-        self.healthy, self.faulty = healthy, faulty
-        self.active = healthy
-
-    def on(self) -> None:
-        self.active = self.faulty
-
-    def off(self) -> None:
-        self.active = self.healthy
-
-    def _exists(self, keys: list[PageKey]) -> list[bool]:
-        return self.active._exists(keys)
-
-    def _get_into(self, keys, targets):  # type: ignore[no-untyped-def]
-        return self.active._get_into(keys, targets)
-
-    def _put_from(self, keys, sources):  # type: ignore[no-untyped-def]
-        return self.active._put_from(keys, sources)
 
 
 @pytest.mark.services
 def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
     name, config = connector_config(request, "redis", tmp_path)
-    faults = FaultInjectionWrapper(create_backend(name, config), {"seed": 1})
-    miscount = FaultInjectionWrapper(faults.inner, {
-        "seed": 1,
+    miscount = paused_faults(create_backend(name, config), {
         "exists": {"wrong_count_rate": 1.0},
         "get": {"wrong_count_rate": 1.0},
         "put": {"wrong_count_rate": 1.0},
     })
-    switch = Switch(faults, miscount)
     figures = Figures("backend returns the wrong number of results", "redis")
-    run_scenario(figures, switch, baseline, switch.on, switch.off,
+    run_scenario(figures, miscount, baseline, miscount.resume, miscount.pause,
                  lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count")
     assert miscount.stats()["faults_wrong_count"] > 0
     assert figures.storage_errors > 0, "contract violations must be counted as storage errors"
@@ -675,13 +631,22 @@ def test_every_error_kind(tmp_path, baseline):
     has (every StorageError subclass, and a RuntimeError for a connector bug)."""
     inner = create_backend("file", {"root": str(tmp_path / "kv")})
     erring = {
-        kind: FaultInjectionWrapper(inner, {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
+        kind: paused_faults(inner, {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
         for kind in ERROR_KINDS
     }
-    switch = Switch(FaultInjectionWrapper(inner, {"seed": 2}), RoundRobin(inner, list(erring.values())))
+
+    def inject() -> None:
+        for wrapper in erring.values():
+            wrapper.resume()
+
+    def clear() -> None:
+        for wrapper in erring.values():
+            wrapper.pause()
+
+    store = RoundRobin(inner, list(erring.values()))
     figures = Figures("every error kind raised, in turn, by every call", "file")
     raised = lambda: [kind for kind, w in erring.items() if w.stats()["faults_error"] > 0]  # noqa: E731
-    run_scenario(figures, switch, baseline, switch.on, switch.off,
+    run_scenario(figures, store, baseline, inject, clear,
                  lambda: f"{sum(w.stats()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}")
     assert raised() == list(ERROR_KINDS), f"not every error kind was raised: {raised()}"
     assert figures.storage_errors > 0 and figures.storage_timeouts > 0, "errors and timeouts must both be counted"

@@ -201,9 +201,98 @@ def test_clear_and_register_buffer_can_fail_too():
         ({"get": {"errors": ["gremlins"]}}, "unknown error kind.*gremlins.*valid: unavailable"),
         ({"get": {"error_rate": 1.5}}, "less than or equal to 1"),
         ({"get": {"errors": []}}, "at least 1"),
-        ({"gets": {}}, "valid keys: clear, delete, exists, get, put, register_buffer, seed"),
+        ({"get": {"vanish_rate": 0.1}}, "applies only to exists"),
+        ({"event_log_size": -1}, "greater than or equal to 0"),
+        ({"gets": {}}, "valid keys: clear, delete, enabled, event_log_size, exists, get, put, register_buffer, seed"),
     ],
 )
 def test_bad_fault_configs_are_config_errors(config, match):
     with pytest.raises(ConfigError, match=match):
         FaultInjectionWrapper(MemoryBackend(), config)
+
+
+def test_a_paused_wrapper_lets_calls_through_and_resumes_the_same_sequence():
+    """Paused calls are untouched and take no call number: the faults after resume() are the
+    ones a run without the paused calls gets."""
+    uninterrupted = FaultInjectionWrapper(MemoryBackend(), {"seed": 3, **MIXED})
+    interrupted = FaultInjectionWrapper(MemoryBackend(), {"seed": 3, **MIXED, "enabled": False})
+    assert not interrupted.enabled
+    for _ in range(10):  # starts paused: every call is healthy
+        assert interrupted.put(keys(4), [page(1)] * 4) == [True] * 4
+        assert interrupted.get(keys(4), SIZE) == [page(1)] * 4
+    assert interrupted.events == [] and interrupted.stats()["faults_error"] == 0
+
+    def calls(store):
+        outcomes = []
+        for step in range(10):
+            for call in (lambda: store.put(keys(4), [page(step)] * 4), lambda: store.exists(keys(4))):
+                try:
+                    outcomes.append(call())
+                except Exception as exc:  # the outcome being compared
+                    outcomes.append(type(exc).__name__)
+        return outcomes
+
+    interrupted.resume()
+    assert interrupted.enabled
+    assert calls(interrupted) == calls(uninterrupted)
+    assert interrupted.events == uninterrupted.events and interrupted.events
+    interrupted.pause()
+    assert interrupted.put(keys(4), [page(2)] * 4) == [True] * 4 and interrupted.exists(keys(4)) == [True] * 4
+
+
+def test_pausing_leaves_a_hanging_call_hanging_until_released():
+    store = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    done = []
+    hung = threading.Thread(target=lambda: done.append(store.exists(keys(1))))
+    hung.start()
+    assert store.wait_for_hangs(1, timeout=30)
+    store.pause()
+    assert store.exists(keys(1)) == [False], "a call made while paused does not hang"
+    assert hung.is_alive() and store.hanging == 1
+    store.release_hangs()
+    hung.join(30)
+    assert done == [[False]]
+
+
+def test_a_vanishing_page_exists_then_is_gone_at_get_time():
+    memory = MemoryBackend()
+    store = FaultInjectionWrapper(memory, {"seed": 6, "exists": {"vanish_rate": 0.5}})
+    store.put(keys(20), [page(i) for i in range(20)])
+    assert store.exists(keys(20)) == [True] * 20, "exists still reports every page"
+    vanished = {e.page for e in store.events}
+    assert [e.fault for e in store.events] == ["vanish"] * len(vanished) and 3 < len(vanished) < 17
+    got = store.get(keys(20), SIZE)
+    assert {i for i, value in enumerate(got) if value is None} == vanished
+    assert memory.exists(keys(20)) == [i not in vanished for i in range(20)], "deleted from the store itself"
+    assert store.stats()["faults_vanish"] == len(vanished)
+    again = store.exists(keys(20))
+    assert again == [i not in vanished for i in range(20)]
+    assert {e.page for e in store.events[len(vanished):]} <= set(range(20)) - vanished, "only present pages vanish"
+
+
+def test_vanishing_needs_a_store_that_can_delete():
+    class NoDelete(MemoryBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.capabilities = self.capabilities.replace(delete=False)
+
+    with pytest.raises(ConfigError, match="cannot delete"):
+        FaultInjectionWrapper(NoDelete(), {"exists": {"vanish_rate": 0.1}})
+
+
+@pytest.mark.parametrize("size", [0, 5])
+def test_the_event_log_keeps_only_the_latest_events_and_stats_count_them_all(size):
+    store = FaultInjectionWrapper(MemoryBackend(), {"event_log_size": size, "get": {"error_rate": 1.0}})
+    for _ in range(20):
+        with pytest.raises(ERROR_KINDS["unavailable"]):
+            store.get(keys(1), SIZE)
+    assert [e.call for e in store.events] == list(range(20 - size, 20))
+    assert store.stats()["faults_error"] == 20
+
+
+def test_the_event_log_is_capped_by_default():
+    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"error_rate": 1.0}})
+    for _ in range(1500):
+        with pytest.raises(ERROR_KINDS["unavailable"]):
+            store.get(keys(1), SIZE)
+    assert len(store.events) == 1000 and store.events[-1].call == 1499

@@ -18,6 +18,13 @@ What can happen to a call, decided before the inner backend is asked:
 * **latency**: ``latency_seconds`` of sleep before the call.
 * **wrong count**: the call returns one result too many or too few (the SDK must reject it).
 
+and, for ``exists``, to each page the store reports as present:
+
+* **vanish**: the page is deleted from the store (through the inner backend's ``delete``) right
+  after ``exists`` reported it, so the read that follows finds it gone, as when another client or
+  the store's own eviction removes a page between a reader's ``exists`` and its ``get``. Needs an
+  inner backend that can delete.
+
 and, for ``get``, to each page the store reports as found:
 
 * **corrupt**: ``corrupt_bytes`` bytes of the page (trailer included, if one is below) are flipped.
@@ -32,9 +39,16 @@ and, for ``put``, to each page (the caller's buffer is never changed; a private 
 These deliver or keep wrong data as a success, which is what the integrity wrapper turns into
 misses: stack faults *below* integrity (``integrity(faults(store))``) to rehearse them.
 
-Replay: call number n of an operation draws its fate from ``Random(f"{seed}:{op}:{n}")``, so a
-single-threaded run with the same seed and the same calls replays exactly; with several threads
-the n-th call of each operation still gets the same fate. :attr:`events` lists what was injected.
+On and off at runtime: :meth:`FaultInjectionWrapper.pause` lets every call through untouched
+until :meth:`FaultInjectionWrapper.resume` (``"enabled": false`` in the config starts paused), so
+one wrapper can stand for a store that breaks mid-run and recovers. Pausing does not free calls
+already hanging: :meth:`FaultInjectionWrapper.release_hangs` does.
+
+Replay: call number n of an operation (counting only calls made while enabled) draws its fate from
+``Random(f"{seed}:{op}:{n}")``, so a single-threaded run with the same seed and the same calls
+replays exactly; with several threads the n-th call of each operation still gets the same fate.
+:attr:`events` lists the last ``event_log_size`` faults injected (1,000 by default: the log is
+for looking at what happened, and must not grow through a long run); ``stats()`` counts them all.
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ from hicache_storage.errors import (
     BackendContractError,
     BackendUnavailableError,
     CapacityError,
+    ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
     PermanentError,
@@ -92,7 +107,12 @@ ERROR_KINDS: dict[str, type[Exception]] = {
 }
 OPERATIONS = ("exists", "get", "put", "delete", "clear", "register_buffer")
 #: Page faults and the operations they apply to.
-_PAGE_FAULTS = {"corrupt_rate": ("get", "put"), "short_read_rate": ("get",), "truncate_write_rate": ("put",)}
+_PAGE_FAULTS = {
+    "corrupt_rate": ("get", "put"),
+    "short_read_rate": ("get",),
+    "truncate_write_rate": ("put",),
+    "vanish_rate": ("exists",),
+}
 _Rate = pydantic.confloat(ge=0.0, le=1.0)
 
 
@@ -112,6 +132,7 @@ class FaultSpec(pydantic.BaseModel):
     corrupt_bytes: int = pydantic.Field(1, ge=1)
     short_read_rate: _Rate = 0.0  # type: ignore[valid-type]
     truncate_write_rate: _Rate = 0.0  # type: ignore[valid-type]
+    vanish_rate: _Rate = 0.0  # type: ignore[valid-type]
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -133,6 +154,8 @@ class FaultSpec(pydantic.BaseModel):
 
 class FaultsConfig(BackendConfig):
     seed: int = pydantic.Field(0, description="seed that makes a run's faults replayable")
+    enabled: bool = pydantic.Field(True, description="inject from the start; false: start paused (see resume())")
+    event_log_size: int = pydantic.Field(1000, ge=0, description="how many of the latest fault events `events` keeps")
     exists: FaultSpec = pydantic.Field(default_factory=FaultSpec, description="faults of exists()")
     get: FaultSpec = pydantic.Field(default_factory=FaultSpec, description="faults of reads")
     put: FaultSpec = pydantic.Field(default_factory=FaultSpec, description="faults of writes")
@@ -172,6 +195,11 @@ class _Fate:
     wrong_count: int  # 0, +1 or -1
     short_cuts: dict[int, float]  # page index -> fraction of the page that arrives or is stored
     corruptions: dict[int, list[tuple[float, int]]]  # page index -> (position fraction, xor byte)
+    vanishing: set[int]  # page indices deleted after exists reports them
+
+
+#: The fate of a call made while the wrapper is paused: nothing happens to it.
+_UNHARMED = _Fate(-1, False, None, False, 0, {}, {}, set())
 
 
 class FaultInjectionWrapper(BackendWrapper):
@@ -187,23 +215,45 @@ class FaultInjectionWrapper(BackendWrapper):
         "faults_corrupt",
         "faults_short_read",
         "faults_truncate_write",
+        "faults_vanish",
     )
     config: FaultsConfig
 
     def __init__(self, inner: StorageBackend, config: FaultsConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
+        if self.config.exists.vanish_rate and not inner.capabilities.delete:
+            raise ConfigError(
+                f"exists.vanish_rate deletes pages through the inner backend, and {inner.name} cannot delete; "
+                "use another fault or a backend with the delete capability",
+                field="exists.vanish_rate",
+                backend=self.name,
+            )
+        self._enabled = self.config.enabled
         self._calls = dict.fromkeys(OPERATIONS, 0)
         self._calls_lock = threading.Lock()
         self._hangs = threading.Condition()
         self._gate = threading.Event()
         self._hanging = 0
-        self._events: deque[FaultEvent] = deque(maxlen=100_000)
+        self._events: deque[FaultEvent] = deque(maxlen=self.config.event_log_size)
 
     # --- control ------------------------------------------------------------------------------
 
     @property
+    def enabled(self) -> bool:
+        """Whether calls starting now may suffer faults (see :meth:`pause` and :meth:`resume`)."""
+        return self._enabled
+
+    def pause(self) -> None:
+        """Let every call from now on through untouched (calls already hanging stay so)."""
+        self._enabled = False
+
+    def resume(self) -> None:
+        """Inject faults again, in the same sequence of fates as if the paused calls never happened."""
+        self._enabled = True
+
+    @property
     def events(self) -> list[FaultEvent]:
-        """The faults injected so far, oldest first (the last 100,000)."""
+        """The latest faults injected (at most ``event_log_size``), oldest first."""
         return list(self._events)
 
     @property
@@ -229,7 +279,14 @@ class FaultInjectionWrapper(BackendWrapper):
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         fate = self._suffer("exists", len(keys))
-        return self._miscount(fate, "exists", super()._exists(keys))
+        results = super()._exists(keys)
+        vanishing = [page for page in sorted(fate.vanishing) if results[page]]
+        if vanishing:
+            deleted = self.forward("delete", self.inner._delete, [keys[page] for page in vanishing])
+            for page, gone in zip(vanishing, deleted):
+                if gone:
+                    self._record(FaultEvent("exists", fate.call, "vanish", page, "deleted after exists"), "faults_vanish")
+        return self._miscount(fate, "exists", results)
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
         fate = self._suffer("get", len(keys))
@@ -287,6 +344,8 @@ class FaultInjectionWrapper(BackendWrapper):
     # --- deciding and applying ----------------------------------------------------------------
 
     def _fate(self, operation: str, pages: int) -> _Fate:
+        if not self._enabled:
+            return _UNHARMED
         with self._calls_lock:
             call = self._calls[operation]
             self._calls[operation] += 1
@@ -304,7 +363,9 @@ class FaultInjectionWrapper(BackendWrapper):
                     short_cuts[page] = rng.random()
                 if rng.random() < spec.corrupt_rate:
                     corruptions[page] = [(rng.random(), rng.randrange(1, 256)) for _ in range(spec.corrupt_bytes)]
-        return _Fate(call, hang, error, latency, wrong_count, short_cuts, corruptions)
+        # Drawn last, and only when configured, so configs without it replay as they always did.
+        vanishing = {page for page in range(pages) if rng.random() < spec.vanish_rate} if spec.vanish_rate else set()
+        return _Fate(call, hang, error, latency, wrong_count, short_cuts, corruptions, vanishing)
 
     def _suffer(self, operation: str, pages: int) -> _Fate:
         """Decide this call's fate and apply what happens before the store is asked."""
