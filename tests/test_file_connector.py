@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage.conformance import ConformanceTests
-from hicache_storage.connectors import file as file_module
+from hicache_storage.connectors import _file_temp as file_temp
 from hicache_storage.connectors.file import FileBackend
 from hicache_storage.errors import (
     BackendClosedError,
@@ -341,8 +341,8 @@ def _dead_pid() -> int:
 def test_stale_temp_files_are_removed_at_startup(opened, root: Path) -> None:
     opened().close()
     tmp = root / ".tmp"
-    host = file_module._host_tag()
-    me = f"{host}.{os.getpid()}.{file_module._process_start(os.getpid())}"
+    host = file_temp.host_tag()
+    me = f"{host}.{os.getpid()}.{file_temp.process_start(os.getpid())}"
     dead = f"{host}.{_dead_pid()}.0"
     (tmp / f"{dead}.aaaa.tmp").write_bytes(b"half a page")
     (tmp / f"{dead}.bbbb.trash").mkdir()
