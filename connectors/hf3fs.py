@@ -33,18 +33,17 @@ handed out again (with a Redis index; an in-process index dies with the writer a
 slot per crash, until the rank's index keys are deleted.
 
 Thread safety: every method may be called from several threads.
+
+The backend is spread over modules of one concept each: this one (configuration and the hooks),
+``_hf3fs_index`` (where a page lives, the in-process slot index), ``_hf3fs_redis_index`` (the
+slot index in Redis, its Lua scripts and its typed errors) and ``_hf3fs_io`` (POSIX and usrbio
+I/O on the data files).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
-import threading
-import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,24 +53,30 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
+from hicache_storage.connectors._hf3fs_index import Location, LocalSlotIndex, close_local_index, open_local_index
+from hicache_storage.connectors._hf3fs_io import PosixFiles, UsrbioFiles, usrbio_available
+from hicache_storage.connectors._hf3fs_redis_index import (
+    RedisSlotIndex,
+    redacted_url,
+    redis_error_base,
+    typed_redis_error,
+)
 from hicache_storage.errors import (
-    AuthenticationError,
     BackendUnavailableError,
     CapacityError,
     ConfigError,
     MissingDependencyError,
-    PermissionDeniedError,
-    StorageError,
-    StorageTimeoutError,
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.vectored_io import preadv_full, pwritev_full
 
+#: Slot sizes are rounded up to a multiple of this.
 SLOT_ALIGNMENT = 4096
 
 
 class HF3FSConfig(BackendConfig):
+    """Settings of the hf3fs backend: the mount, the rank's files, the slot index, the I/O path."""
+
     root: str = pydantic.Field(..., description="directory on the 3FS mount (SGLang: file_path_prefix's directory)")
     file_size: int = pydantic.Field(64 * 2**30, gt=0, description="bytes per data file; slots per file = file_size // page size")
     numjobs: int = pydantic.Field(4, ge=1, le=256, description="data files per rank, and parallel I/O threads")
@@ -91,395 +96,6 @@ class HF3FSConfig(BackendConfig):
     )
     usrbio_entries: int = pydantic.Field(64, ge=1, description="usrbio ring entries: most pages in one submission")
     usrbio_timeout_s: float = pydantic.Field(30.0, gt=0, description="how long a usrbio submission may take")
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where one published page lives, and the generation its slot had when it was written."""
-
-    rank: int
-    slot: int  # slot number within the rank: file = slot % numjobs, index = slot // numjobs
-    file: int
-    offset: int
-    length: int
-    generation: int
-
-    def encode(self) -> str:
-        return f"{self.rank}|{self.slot}|{self.file}|{self.offset}|{self.length}|{self.generation}"
-
-    @classmethod
-    def decode(cls, text: str | bytes) -> Location:
-        if isinstance(text, bytes):
-            text = text.decode()
-        return cls(*(int(part) for part in text.split("|")))
-
-
-# --- slot indexes -------------------------------------------------------------------------------
-
-
-class LocalSlotIndex:
-    """The slot index in this process: key -> location, LRU order, free slots, generations."""
-
-    def __init__(self, rank: int, capacity: int) -> None:
-        self.rank = rank
-        self.capacity = capacity
-        self.page_size: int | None = None
-        self._lock = threading.Lock()
-        self._pages: OrderedDict[str, Location] = OrderedDict()  # LRU order, oldest first
-        self._free: list[int] = []
-        self._next = 0
-        self._generations: dict[int, int] = {}
-
-    def fix_page_size(self, size: int) -> int:
-        with self._lock:
-            if self.page_size is None:
-                self.page_size = size
-            return self.page_size
-
-    def lookup(self, names: list[str]) -> list[Location | None]:
-        with self._lock:
-            return [self._pages.get(name) for name in names]
-
-    def reserve(self, count: int) -> list[tuple[int, int]]:
-        """``count`` (slot, generation) pairs no key points at, evicting LRU pages when full."""
-        taken = []
-        with self._lock:
-            for _ in range(count):
-                if self._free:
-                    slot = self._free.pop()
-                elif self._next < self.capacity:
-                    slot, self._next = self._next, self._next + 1
-                elif self._pages:
-                    slot = self._pages.popitem(last=False)[1].slot  # every page here is this rank's
-                else:
-                    break
-                generation = self._generations.get(slot, 0) + 1
-                self._generations[slot] = generation
-                taken.append((slot, generation))
-        return taken
-
-    def publish(self, pages: list[tuple[str, Location]]) -> None:
-        """Point each name at its freshly written slot, in order; a replaced slot is freed."""
-        with self._lock:
-            for name, location in pages:
-                old = self._pages.pop(name, None)
-                self._pages[name] = location
-                if old is not None and old.slot != location.slot:
-                    self._free.append(old.slot)
-
-    def release(self, slots: list[int]) -> None:
-        with self._lock:
-            self._free.extend(slots)
-
-    def still_valid(self, locations: list[Location], names: list[str]) -> list[bool]:
-        """Whether each slot still has the generation it had when read; refreshes LRU order of the valid."""
-        with self._lock:
-            valid = [self._generations.get(loc.slot) == loc.generation for loc in locations]
-            for name, ok in zip(names, valid):
-                if ok and name in self._pages:
-                    self._pages.move_to_end(name)
-            return valid
-
-    def remove(self, names: list[str]) -> list[bool]:
-        with self._lock:
-            results = []
-            for name in names:
-                old = self._pages.pop(name, None)
-                if old is not None:
-                    self._free.append(old.slot)
-                results.append(old is not None)
-            return results
-
-    def names_with_prefix(self, prefix: str) -> list[str]:
-        with self._lock:
-            return [name for name in self._pages if name.startswith(prefix)]
-
-
-# Redis scripts; each runs atomically. A page's LRU member is its rendered key (its "name").
-# KEYS: free list, next-slot counter, LRU sorted set, generations hash (all of this rank).
-# ARGV: capacity in slots, slots wanted, prefix of page keys.
-_RESERVE = """
-local taken = {}
-for i = 1, tonumber(ARGV[2]) do
-  local slot = redis.call('LPOP', KEYS[1])
-  if not slot then
-    local n = redis.call('INCR', KEYS[2])
-    if n <= tonumber(ARGV[1]) then
-      slot = tostring(n - 1)
-    else
-      redis.call('DECR', KEYS[2])
-      local victim = redis.call('ZPOPMIN', KEYS[3])
-      if #victim == 0 then break end
-      local loc = redis.call('GET', ARGV[3] .. victim[1])
-      if loc then
-        redis.call('DEL', ARGV[3] .. victim[1])
-        slot = string.match(loc, '^%d+|(%d+)|')
-      end
-    end
-  end
-  if slot then
-    local generation = redis.call('HINCRBY', KEYS[4], slot, 1)
-    table.insert(taken, {tonumber(slot), generation})
-  end
-end
-return taken
-"""
-
-# KEYS: page key. ARGV: location, lru score, key-name (LRU member), prefix for rank keys.
-_PUBLISH = """
-local old = redis.call('GET', KEYS[1])
-redis.call('SET', KEYS[1], ARGV[1])
-local rank = string.match(ARGV[1], '^(%d+)|')
-redis.call('ZADD', ARGV[4] .. 'lru:' .. rank, ARGV[2], ARGV[3])
-if old and old ~= ARGV[1] then
-  local old_rank, old_slot = string.match(old, '^(%d+)|(%d+)|')
-  if old_rank ~= rank then redis.call('ZREM', ARGV[4] .. 'lru:' .. old_rank, ARGV[3]) end
-  redis.call('RPUSH', ARGV[4] .. 'free:' .. old_rank, old_slot)
-end
-return 1
-"""
-
-# KEYS: page key. ARGV: key-name (LRU member), prefix for rank keys.
-_REMOVE = """
-local old = redis.call('GET', KEYS[1])
-if not old then return 0 end
-redis.call('DEL', KEYS[1])
-local rank, slot = string.match(old, '^(%d+)|(%d+)|')
-redis.call('ZREM', ARGV[2] .. 'lru:' .. rank, ARGV[1])
-redis.call('RPUSH', ARGV[2] .. 'free:' .. rank, slot)
-return 1
-"""
-
-
-class RedisSlotIndex:
-    """The slot index in Redis, shared by every instance and rank configured with the same prefix.
-
-    Keys: ``<prefix>k:<page>`` -> encoded :class:`Location`; ``<prefix>lru:<rank>`` sorted set of
-    page names by last use; ``<prefix>free:<rank>`` list of released slots; ``<prefix>next:<rank>``
-    count of slots ever handed out; ``<prefix>gen:<rank>`` hash slot -> generation;
-    ``<prefix>page_size``.
-    """
-
-    def __init__(self, url: str, prefix: str, rank: int, capacity: int) -> None:
-        try:
-            import redis
-        except ImportError as exc:
-            raise MissingDependencyError("hf3fs", "redis", "hf3fs") from exc
-        self.client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=3, health_check_interval=30)
-        self.prefix = prefix
-        self.rank = rank
-        self.capacity = capacity
-        self.page_size: int | None = None
-        self._reserve = self.client.register_script(_RESERVE)
-        self._publish = self.client.register_script(_PUBLISH)
-        self._remove = self.client.register_script(_REMOVE)
-        stored = self.client.get(prefix + "page_size")
-        self.page_size = int(stored) if stored is not None else None
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}k:{name}"
-
-    def fix_page_size(self, size: int) -> int:
-        self.client.set(self.prefix + "page_size", size, nx=True)
-        self.page_size = int(self.client.get(self.prefix + "page_size"))
-        return self.page_size
-
-    def lookup(self, names: list[str]) -> list[Location | None]:
-        values = self.client.mget([self._key(n) for n in names]) if names else []
-        return [Location.decode(v) if v is not None else None for v in values]
-
-    def reserve(self, count: int) -> list[tuple[int, int]]:
-        r = self.rank
-        keys = [f"{self.prefix}free:{r}", f"{self.prefix}next:{r}", f"{self.prefix}lru:{r}", f"{self.prefix}gen:{r}"]
-        taken = self._reserve(keys=keys, args=[self.capacity, count, self.prefix + "k:"])
-        return [(int(slot), int(generation)) for slot, generation in taken]
-
-    def publish(self, pages: list[tuple[str, Location]]) -> None:
-        """One pipelined round trip; each page's script is atomic, and they run in order."""
-        now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        for name, location in pages:
-            self._publish(keys=[self._key(name)], args=[location.encode(), now, name, self.prefix], client=pipe)
-        pipe.execute()
-
-    def release(self, slots: list[int]) -> None:
-        if slots:
-            self.client.rpush(f"{self.prefix}free:{self.rank}", *slots)
-
-    def still_valid(self, locations: list[Location], names: list[str]) -> list[bool]:
-        pipe = self.client.pipeline(transaction=False)
-        for loc in locations:
-            pipe.hget(f"{self.prefix}gen:{loc.rank}", loc.slot)
-        generations = pipe.execute()
-        valid = [g is not None and int(g) == loc.generation for g, loc in zip(generations, locations)]
-        now = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        for name, loc, ok in zip(names, locations, valid):
-            if ok:
-                pipe.zadd(f"{self.prefix}lru:{loc.rank}", {name: now}, xx=True)
-        pipe.execute()
-        return valid
-
-    def remove(self, names: list[str]) -> list[bool]:
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            self._remove(keys=[self._key(name)], args=[name, self.prefix], client=pipe)
-        return [bool(r) for r in pipe.execute()]
-
-    def names_with_prefix(self, prefix: str) -> list[str]:
-        start = len(self.prefix) + 2
-        return [k.decode()[start:] for k in self.client.scan_iter(match=f"{self.prefix}k:{prefix}*", count=1000)]
-
-
-# --- file I/O -----------------------------------------------------------------------------------
-
-
-class PosixFiles:
-    """``preadv``/``pwritev`` straight between the caller's segments and the data files."""
-
-    zero_copy = True
-
-    def __init__(self, root: Path, numjobs: int, file_size: int) -> None:
-        self.root = root
-        self.numjobs = numjobs
-        self.file_size = file_size
-        self._fds: dict[tuple[int, int], int] = {}
-        self._lock = threading.Lock()
-
-    def path(self, rank: int, file: int) -> Path:
-        return self.root / f"rank{rank}.{file}.data"
-
-    def create(self, rank: int) -> None:
-        """Create (or grow) this rank's files to ``file_size`` bytes, sparse."""
-        for file in range(self.numjobs):
-            fd = os.open(self.path(rank, file), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if os.fstat(fd).st_size < self.file_size:
-                    os.ftruncate(fd, self.file_size)
-            finally:
-                os.close(fd)
-
-    def fd(self, rank: int, file: int) -> int:
-        """An open descriptor of one data file (another rank's file may not exist: ``OSError``)."""
-        with self._lock:
-            fd = self._fds.get((rank, file))
-            if fd is None:
-                fd = os.open(self.path(rank, file), os.O_RDWR)
-                self._fds[(rank, file)] = fd
-            return fd
-
-    def read(self, loc: Location, target: Segments) -> bool:
-        """False when the file ends first: not a page we wrote."""
-        want = segments_size(target)
-        return preadv_full(self.fd(loc.rank, loc.file), list(target), loc.offset, want) == want
-
-    def write(self, loc: Location, source: Segments) -> bool:
-        pwritev_full(self.fd(loc.rank, loc.file), list(source), loc.offset)
-        return True
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
-class UsrbioFiles(PosixFiles):
-    """3FS's usrbio rings (``hf3fs_fuse.io``): I/O through a registered shared-memory bounce buffer.
-
-    Never run against 3FS (no client was available); tested only against a stand-in binding.
-    Follows the API as SGLang's
-    ``hf3fs_usrbio_client`` uses it: ``register_fd``, ``make_iovec`` over a ``SharedMemory``,
-    ``make_ioring(mount, entries, for_read, timeout, numa)``, ``prepare`` / ``submit().wait``.
-    One read ring and one write ring, each serialized by a lock.
-    """
-
-    zero_copy = False
-
-    def __init__(self, root: Path, numjobs: int, file_size: int, page_size: int, entries: int, timeout_s: float) -> None:
-        super().__init__(root, numjobs, file_size)
-        import datetime
-        from multiprocessing.shared_memory import SharedMemory
-
-        from hf3fs_fuse import io as usrbio
-
-        self._usrbio = usrbio
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self.entries = entries
-        mount = usrbio.extract_mount_point(str(root))
-        self._rings = {}
-        for for_read in (True, False):
-            shm = SharedMemory(size=page_size * entries, create=True)
-            iov = usrbio.make_iovec(shm, mount)
-            ring = usrbio.make_ioring(mount, entries, for_read=for_read, timeout=1, numa=-1)
-            shm.unlink()  # the mapping lives on in this process and in the 3FS client
-            self._rings[for_read] = (shm, iov, ring, threading.Lock())
-        self._registered: set[int] = set()
-
-    def fd(self, rank: int, file: int) -> int:
-        fd = super().fd(rank, file)
-        with self._lock:
-            if fd not in self._registered:
-                self._usrbio.register_fd(fd)
-                self._registered.add(fd)
-        return fd
-
-    def batch(self, for_read: bool, items: list[tuple[Location, Segments]]) -> list[bool]:
-        shm, iov, ring, lock = self._rings[for_read]
-        results = []
-        for start in range(0, len(items), self.entries):
-            chunk = items[start : start + self.entries]
-            with lock:
-                starts = []
-                position = 0
-                for loc, segments in chunk:
-                    starts.append(position)
-                    size = segments_size(segments)
-                    if not for_read:
-                        _copy_into(shm.buf, position, segments)
-                    ring.prepare(iov[position : position + size], for_read, self.fd(loc.rank, loc.file), loc.offset)
-                    position += size
-                done = ring.submit().wait(min_results=len(chunk), timeout=self._timeout)
-                for (loc, segments), start, result in zip(chunk, starts, done):
-                    ok = result.result == segments_size(segments)
-                    if for_read and ok:
-                        _copy_out(shm.buf, start, segments)
-                    results.append(ok)
-        return results
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._registered:
-                self._usrbio.deregister_fd(fd)
-            self._registered.clear()
-        shms = [shm for shm, *_ in self._rings.values()]
-        self._rings.clear()  # drop the rings and iovecs first: they hold views of the shared memory
-        for shm in shms:
-            shm.close()
-        super().close()
-
-
-def _copy_into(buffer: memoryview, position: int, segments: Segments) -> None:
-    for view in segments:
-        buffer[position : position + view.nbytes] = view
-        position += view.nbytes
-
-
-def _copy_out(buffer: memoryview, position: int, segments: Segments) -> None:
-    for view in segments:
-        view[:] = buffer[position : position + view.nbytes]
-        position += view.nbytes
-
-
-def usrbio_available() -> bool:
-    try:
-        import hf3fs_fuse.io  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# --- the connector ------------------------------------------------------------------------------
 
 
 class HF3FSBackend(StorageBackend):
@@ -502,9 +118,9 @@ class HF3FSBackend(StorageBackend):
         use_usrbio = cfg.io == "usrbio" or (cfg.io == "auto" and usrbio_available())
         if cfg.io == "usrbio" and not usrbio_available():
             raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
-        self._index_error = _redis_error_base() if cfg.metadata_url is not None else None
+        self._index_error = redis_error_base() if cfg.metadata_url is not None else None
         if cfg.metadata_url is None:
-            self._index: LocalSlotIndex | RedisSlotIndex = _open_local_index(self._root, cfg.rank)
+            self._index: LocalSlotIndex | RedisSlotIndex = open_local_index(self._root, cfg.rank)
         else:
             prefix = cfg.metadata_prefix or f"hicache:hf3fs:{hashlib.sha256(str(self._root).encode()).hexdigest()[:16]}:"
             self._index = self._guard(lambda: RedisSlotIndex(cfg.metadata_url.get_secret_value(), prefix, cfg.rank, 0), "connect")
@@ -541,7 +157,7 @@ class HF3FSBackend(StorageBackend):
 
     def _release_index(self) -> None:
         if isinstance(self._index, LocalSlotIndex):
-            _close_local_index(self._root, self.config.rank)
+            close_local_index(self._root, self.config.rank)
         else:
             self._index.client.close()
 
@@ -644,82 +260,8 @@ class HF3FSBackend(StorageBackend):
         try:
             return call()
         except self._index_error as exc:
-            raise _typed_redis_error(exc, _redacted(self.config.metadata_url), operation) from None
-
-
-# In-process indexes, one per (root, rank), shared by the instances of this process that open
-# it, with a count of users. The first opener takes an exclusive flock on the rank's lock file so
-# that no other process writes the same slots with an index of its own.
-_LOCAL_INDEXES: dict[tuple[Path, int], tuple[LocalSlotIndex, int, int]] = {}
-_LOCAL_INDEXES_LOCK = threading.Lock()
-
-
-def _open_local_index(root: Path, rank: int) -> LocalSlotIndex:
-    with _LOCAL_INDEXES_LOCK:
-        entry = _LOCAL_INDEXES.get((root, rank))
-        if entry is not None:
-            index, lock_fd, users = entry
-            _LOCAL_INDEXES[(root, rank)] = (index, lock_fd, users + 1)
-            return index
-        lock_fd = os.open(root / f"rank{rank}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(lock_fd)
-            raise ConfigError(
-                f"rank {rank} of {str(root)!r} is in use by another process with its own slot index; "
-                "give each process its own rank, or share the index with metadata_url='redis://...'",
-                field="metadata_url",
-                backend="hf3fs",
-            ) from None
-        index = LocalSlotIndex(rank, 0)
-        _LOCAL_INDEXES[(root, rank)] = (index, lock_fd, 1)
-        return index
-
-
-def _close_local_index(root: Path, rank: int) -> None:
-    with _LOCAL_INDEXES_LOCK:
-        index, lock_fd, users = _LOCAL_INDEXES[(root, rank)]
-        if users > 1:
-            _LOCAL_INDEXES[(root, rank)] = (index, lock_fd, users - 1)
-        else:
-            del _LOCAL_INDEXES[(root, rank)]
-            os.close(lock_fd)  # releases the flock
+            raise typed_redis_error(exc, redacted_url(self.config.metadata_url), operation) from None
 
 
 def _aligned(size: int) -> int:
     return -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-
-
-def _redis_error_base() -> type[BaseException]:
-    try:
-        import redis
-    except ImportError as exc:
-        raise MissingDependencyError("hf3fs", "redis", "hf3fs") from exc
-    return redis.RedisError
-
-
-def _typed_redis_error(exc: BaseException, where: str, operation: str) -> StorageError:
-    import redis
-
-    what = f"the hf3fs slot index in Redis at {where}"
-    if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: test it first
-        kind, message = AuthenticationError, f"{what} rejected the credentials in metadata_url"
-    elif isinstance(exc, redis.exceptions.NoPermissionError):
-        kind, message = PermissionDeniedError, f"{what} refused a command to this user (ACL): {type(exc).__name__}"
-    elif isinstance(exc, redis.TimeoutError):
-        kind, message = StorageTimeoutError, f"{what} did not answer in time"
-    elif isinstance(exc, redis.ConnectionError):
-        kind, message = BackendUnavailableError, f"{what} is unreachable: {type(exc).__name__}"
-    else:
-        kind, message = StorageError, f"{what} failed: {type(exc).__name__}"
-    return kind(message, backend="hf3fs", operation=operation)
-
-
-def _redacted(url: pydantic.SecretStr | None) -> str:
-    if url is None:
-        return "(none)"
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url.get_secret_value())
-    return f"{parsed.scheme}://{parsed.hostname or ''}{':' + str(parsed.port) if parsed.port else ''}"

@@ -301,10 +301,10 @@ def test_root_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_leftover_local_indexes() -> Iterator[None]:
-    from hicache_storage.connectors import hf3fs
+    from hicache_storage.connectors import _hf3fs_index
 
     yield
-    assert not hf3fs._LOCAL_INDEXES, "a test left an hf3fs instance open"
+    assert not _hf3fs_index._LOCAL_INDEXES, "a test left an hf3fs instance open"
 
 
 # --- the usrbio glue ----------------------------------------------------------------------------
