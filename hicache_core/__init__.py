@@ -4,8 +4,9 @@ Modules, bottom up: :mod:`~hicache_core.pools` (device and host KV pools, page a
 :mod:`~hicache_core.transfer` (device <-> host through the kernels), :mod:`~hicache_core.radix_tree`,
 :mod:`~hicache_core.controller` (write policies, backup thread, load back, buffer-only mode),
 :mod:`~hicache_core.prefetch` (prefetch thread, rate limit, stop policies), :mod:`~hicache_core.tp` (tensor-parallel agreement), :mod:`~hicache_core.model`
-(the bit-exact reference decoder and the modeled compute cost), :mod:`~hicache_core.engine`
-(the scheduler that serves requests) and :mod:`~hicache_core.metrics`.
+(the bit-exact reference decoder and the modeled compute cost), :mod:`~hicache_core.sessions`
+(session-aware eviction), :mod:`~hicache_core.engine` (the scheduler that serves requests) and
+:mod:`~hicache_core.metrics`.
 """
 
 from hicache_core.controller import ControllerConfig, WritePolicy
@@ -23,6 +24,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
 from hicache_core.pools import HostMemoryError, KVGeometry
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
+from hicache_core.sessions import SessionTable, SessionTicket
 from hicache_core.tp import TPContext
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "PrefetchConfig",
     "Request",
     "RequestResult",
+    "SessionTable",
+    "SessionTicket",
     "StopPolicy",
     "TPContext",
     "TinyDecoder",

@@ -39,6 +39,7 @@ from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchOp, PrefetchState
 from hicache_core.radix_tree import RadixTree, TreeNode
+from hicache_core.sessions import SessionTable, SessionTicket
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
 
@@ -87,6 +88,9 @@ class Request:
     rid: str
     tokens: list[int]
     max_new_tokens: int = 8
+    #: Requests of one conversation share an id: their cached prefixes are evicted last (see
+    #: :mod:`hicache_core.sessions`) until ``Engine.close_session``.
+    session_id: str | None = None
 
 
 @dataclass
@@ -125,6 +129,7 @@ class _Live:
     planned_match: int = 0
     refetched: bool = False
     pinned: TreeNode | None = None
+    session: SessionTicket | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -166,6 +171,7 @@ class Engine:
         self.controller = CacheController(
             config.controller, self.tree, self.device_pool, self.host_pool, metrics=self.metrics, tp=self.tp
         )
+        self.sessions = SessionTable(self.tree)
         self.model = TinyDecoder(config.model, self.device_pool.device) if config.compute is None else None
         self._waiting: list[_Live] = []
         self._running: list[_Live] = []
@@ -211,9 +217,16 @@ class Engine:
         if request.max_new_tokens < 1 or len(request.tokens) < 1:
             raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
         live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter())
+        if request.session_id is not None:
+            live.session = self.sessions.ticket(request.session_id)
         if self.config.tiers is not CacheTiers.OFF:
             self._plan_prefetch(live)
         self._waiting.append(live)
+
+    def close_session(self, session_id: str) -> bool:
+        """End a session: its cached prefixes become ordinary LRU data (nothing is deleted), and
+        its requests still running add no reference when they finish. Returns whether it was open."""
+        return self.sessions.close(session_id)
 
     def take_results(self) -> list[RequestResult]:
         """Results of the requests finished since the last call (for drivers using ``submit``/``step``)."""
@@ -451,6 +464,8 @@ class Engine:
             inserted = None
         if own.numel() > keep_until:
             self.device_pool.allocator.free(own[keep_until:])
+        if live.session is not None:
+            self.sessions.reference(live.session, inserted.last_node if inserted is not None else live.node)
         self.tree.unlock(live.node)
         live.node = None
         if inserted is not None:
