@@ -2,10 +2,17 @@
 
 Each server module (``redis_server``, ``seaweedfs``, ``mooncake_master``) builds on
 :class:`ServerProcess`. Servers bind 127.0.0.1 only and are always stopped by the PID we started.
+
+Work directories: a server given none gets its own ``mkdtemp`` directory (config, data, log).
+:meth:`ServerProcess.stop` removes it when everything went well, and keeps it, logging its path at
+WARNING, when something did not, so the log is there to read: the server failed to start or to
+become ready, it exited on its own, or it ignored SIGTERM and had to be killed (unless its class
+is :attr:`~ServerProcess.slow_to_exit`). A directory the caller passed in is never removed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -13,8 +20,14 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import ClassVar
+
+log = logging.getLogger(__name__)
+#: Every ServerProcess alive, so a stop can tell whether another one still runs in its directory.
+_servers: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 
 
 class ServiceError(RuntimeError):
@@ -47,23 +60,37 @@ def which_or_fail(binary: str, hint: str) -> str:
 
 
 class ServerProcess:
-    """One server process with its own work directory and log file."""
+    """One server process with its own work directory and log file.
+
+    ``unclean`` says why the work directory must be kept (``None``: nothing went wrong so far).
+    """
+
+    #: True for a server that routinely outlasts :meth:`stop`'s grace period (SeaweedFS takes
+    #: ~16 s to exit): being killed after it is then no sign of trouble and keeps no directory.
+    slow_to_exit: ClassVar[bool] = False
 
     def __init__(self, name: str, workdir: Path | None = None) -> None:
         self.name = name
+        self._owns_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix=f"hicache-{name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.unclean: str | None = None
+        self._killed = False  # we sent SIGKILL: an exit by it is ours, not a crash
+        self._kept_reason: str | None = None
+        _servers.add(self)
 
     def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
         if self.process is not None and self.process.poll() is None:
             raise ServiceError(f"{self.name} is already running (pid {self.process.pid})")
-        log = open(self.log_path, "ab")
+        self.workdir.mkdir(parents=True, exist_ok=True)  # a clean stop removed it
+        self._killed = False
+        log_file = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(
                 list(argv),
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=self.workdir,
@@ -71,9 +98,19 @@ class ServerProcess:
                 start_new_session=True,  # a stray SIGINT to the test run does not hit the server
             )
         finally:
-            log.close()
+            log_file.close()
 
     def wait_ready(self, ready: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Poll ``ready`` until it is true; a ServiceError (with the log tail) if the server exits
+        or ``timeout`` passes. A failure marks the work directory to keep; a later success unmarks it."""
+        try:
+            self._wait_ready(ready, timeout)
+        except BaseException as exc:
+            self.unclean = f"not ready: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise
+        self.unclean = None
+
+    def _wait_ready(self, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -93,23 +130,45 @@ class ServerProcess:
     def signal(self, signum: int) -> None:
         """Send a signal to the server (SIGSTOP / SIGCONT / SIGKILL in fault tests)."""
         if self.running():
+            self._killed = self._killed or signum == signal.SIGKILL
             os.kill(self.process.pid, signum)
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. Safe to call twice."""
-        if self.process is None:
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. Safe to call twice.
+
+        Then the work directory this object created is removed, unless something went wrong
+        (see the module docstring: it is kept and its path logged) or another server of ours
+        still runs in it.
+        """
+        if self.process is not None:
+            if self.process.poll() is None:
+                try:
+                    os.kill(self.process.pid, signal.SIGCONT)  # a frozen server cannot handle SIGTERM
+                    self.process.terminate()
+                    self.process.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    if not self.slow_to_exit:
+                        self.unclean = self.unclean or f"did not exit within {grace:g}s of SIGTERM and was killed"
+                    self.process.kill()
+                    self.process.wait(timeout=10)
+                except ProcessLookupError:
+                    pass
+            elif self.process.returncode != 0 and not (self._killed and self.process.returncode == -signal.SIGKILL):
+                self.unclean = self.unclean or f"exited on its own with code {self.process.returncode}"
+            self.process = None
+        self._settle_workdir()
+
+    def _settle_workdir(self) -> None:
+        if not self._owns_workdir or not self.workdir.exists():
             return
-        if self.process.poll() is None:
-            try:
-                os.kill(self.process.pid, signal.SIGCONT)  # a frozen server cannot handle SIGTERM
-                self.process.terminate()
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-            except ProcessLookupError:
-                pass
-        self.process = None
+        if self.unclean is not None:
+            if self._kept_reason != self.unclean:  # once per reason, though stop() may be called twice
+                log.warning("%s: %s; keeping its work directory for diagnosis: %s", self.name, self.unclean, self.workdir)
+                self._kept_reason = self.unclean
+            return
+        if any(other is not self and other.workdir == self.workdir and other.running() for other in list(_servers)):
+            return  # another process of ours runs there (and logs there): removed at the last stop
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
