@@ -1,0 +1,177 @@
+"""The hybrid engine is exact: every tier, write policy and restore path gives the outputs of no cache.
+
+The reference hybrid model (full, sliding-window and recurrent layers, plus a draft model whose
+KV is a sidecar of the full pool) is deterministic whatever the batching, so a restored pool
+that is wrong in one byte, or a boundary accepted without the state it depends on, changes the
+logits or the draft's proposals. Every test also checks that the cache was used (a hit count
+above zero), so none can pass by recomputing everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_core.controller import WritePolicy
+from hicache_core.engine import CacheTiers, Request, make_conversations
+from hicache_core.hybrid.engine import HybridEngine, HybridEngineConfig, HybridResult
+from hicache_core.hybrid.model import HybridModelConfig
+from hicache_storage.keys import page_hashes
+
+PAGE = 8
+MODEL = HybridModelConfig(window=12)
+CONVERSATIONS = make_conversations(3, 3, 32, MODEL.vocab_size, seed=7)
+NEW_TOKENS = 4
+
+pytestmark = pytest.mark.slow
+
+
+def config(tiers: CacheTiers, root: str | None = None, **overrides: object) -> HybridEngineConfig:
+    settings: dict[str, object] = {
+        "model": MODEL,
+        "tiers": tiers,
+        "page_size": PAGE,
+        "device_pages": 28,
+        "host_pages": 96,
+        "swa_device_pages": 32,
+        "device_checkpoints": 6,
+        "host_checkpoints": 24,
+    }
+    if tiers is CacheTiers.L1_L2_L3:
+        settings |= {"storage_backend": "file", "storage_config": {"root": root}}
+    return HybridEngineConfig(**(settings | overrides))  # type: ignore[arg-type]
+
+
+def serve_rounds(engine: HybridEngine, rounds: range, histories: list[list[int]], flush: bool = False) -> list[HybridResult]:
+    """Multi-turn rounds: each conversation's prompt is its history plus its next turn."""
+    results = []
+    for r in rounds:
+        requests = [Request(f"c{c}-r{r}", histories[c] + turns[r], NEW_TOKENS) for c, turns in enumerate(CONVERSATIONS)]
+        for request, result in zip(requests, engine.serve(requests)):
+            histories[int(request.rid[1 : request.rid.index("-")])] = request.tokens + result.output_ids
+            results.append(result)
+        engine.tree.check_invariants()
+        if flush:
+            engine.flush_cache()
+    return results
+
+
+def run(cfg: HybridEngineConfig, flush: bool = False) -> list[HybridResult]:
+    with HybridEngine(cfg) as engine:
+        return serve_rounds(engine, range(3), [[] for _ in CONVERSATIONS], flush)
+
+
+@pytest.fixture(scope="module")
+def uncached() -> list[HybridResult]:
+    return run(config(CacheTiers.OFF))
+
+
+def assert_same_outputs(expected: list[HybridResult], actual: list[HybridResult]) -> None:
+    assert [r.rid for r in actual] == [r.rid for r in expected]
+    for want, got in zip(expected, actual):
+        assert got.output_ids == want.output_ids, got.rid
+        assert got.draft_ids == want.draft_ids, f"{got.rid}: the draft KV sidecar came back wrong"
+        assert got.logits is not None and want.logits is not None and torch.equal(got.logits, want.logits), got.rid
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+@pytest.mark.parametrize("tiers", [CacheTiers.L1, CacheTiers.L1_L2, CacheTiers.L1_L2_L3])
+def test_every_tier_and_write_policy_gives_the_uncached_outputs(uncached, tiers, policy, tmp_path) -> None:
+    results = run(config(tiers, str(tmp_path), write_policy=policy))
+    assert_same_outputs(uncached, results)
+    assert sum(r.cached_tokens for r in results) > 0
+    if tiers is CacheTiers.L1_L2 and policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
+        assert sum(r.cached_host for r in results) > 0, "the device pool is small: some prefix must come back from the host"
+
+
+@pytest.mark.parametrize("policy", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK])
+def test_storage_restores_after_flushing_device_and_host(uncached, policy, tmp_path) -> None:
+    results = run(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy), flush=True)
+    assert_same_outputs(uncached, results)
+    later = [r for r in results if not r.rid.endswith("-r0")]
+    assert all(r.cached_storage > 0 and r.cached_device == r.cached_host == 0 for r in later), [
+        (r.rid, r.cached_device, r.cached_host, r.cached_storage) for r in later
+    ]
+
+
+def test_selective_write_through_stores_what_was_hit_twice(uncached, tmp_path) -> None:
+    histories: list[list[int]] = [[] for _ in CONVERSATIONS]
+    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)) as engine:
+        serve_rounds(engine, range(1), histories)
+        after_first_round = [list(h) for h in histories]
+        serve_rounds(engine, range(1, 3), histories)  # the first round's prefixes get their second hit
+        engine.flush_cache()
+        results = serve_rounds(engine, range(1, 3), after_first_round)
+    assert_same_outputs(uncached[len(CONVERSATIONS) :], results)
+    assert sum(r.cached_storage for r in results) > 0
+
+
+def test_two_instances_share_storage(uncached, tmp_path) -> None:
+    histories: list[list[int]] = [[] for _ in CONVERSATIONS]
+    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as first:
+        results = serve_rounds(first, range(2), histories)
+        with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as second:
+            results += serve_rounds(second, range(2, 3), histories)
+    assert_same_outputs(uncached, results)
+    assert all(r.cached_storage > 0 for r in results[-len(CONVERSATIONS) :])
+
+
+def test_restart_restores_from_storage(uncached, tmp_path) -> None:
+    run(config(CacheTiers.L1_L2_L3, str(tmp_path)))
+    results = run(config(CacheTiers.L1_L2_L3, str(tmp_path)))
+    assert_same_outputs(uncached, results)
+    first_round = results[: len(CONVERSATIONS)]
+    assert all(r.cached_storage == 24 for r in first_round), "each prompt's last whole page (24 of 31 tokens) is in L3"
+
+
+# --- the branch-backup scenario --------------------------------------------------------------
+
+SHARED = make_conversations(1, 1, 96, MODEL.vocab_size, seed=11)[0][0]
+SUFFIXES = make_conversations(12, 1, 12, MODEL.vocab_size, seed=12)
+
+
+def branch_scenario(backfill: bool, root: str) -> list[HybridResult]:
+    """Two requests share a prefix and diverge (the second leaves a new checkpoint at the branch
+    point, on a prefix whose KV is already backed up); then L1 and L2 are emptied before each of
+    ten more requests for the same prefix with new suffixes."""
+    with HybridEngine(config(CacheTiers.L1_L2_L3, root, backfill=backfill)) as engine:
+        engine.serve([Request("first", SHARED + SUFFIXES[0][0], NEW_TOKENS)])
+        engine.serve([Request("branch", SHARED + SUFFIXES[1][0], NEW_TOKENS)])
+        results = []
+        for i, suffix in enumerate(SUFFIXES[2:]):
+            engine.flush_cache()
+            results += engine.serve([Request(f"again-{i}", SHARED + suffix[0], NEW_TOKENS)])
+    return results
+
+
+def test_backfill_restores_the_whole_shared_prefix_and_its_absence_shows_the_gap(tmp_path) -> None:
+    with_backfill = branch_scenario(True, str(tmp_path / "on"))
+    without = branch_scenario(False, str(tmp_path / "off"))
+    assert [r.output_ids for r in with_backfill] == [r.output_ids for r in without]
+    assert [r.cached_storage for r in with_backfill] == [len(SHARED)] * 10
+    assert sum(r.cached_storage == len(SHARED) for r in without) == 0, [r.cached_storage for r in without]
+
+
+# --- every pool votes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["kv", "swa", "mamba"])
+def test_a_missing_page_of_any_pool_shortens_the_restored_prefix(uncached, pool, tmp_path) -> None:
+    prompt = SHARED + SUFFIXES[0][0]
+    with HybridEngine(config(CacheTiers.OFF)) as plain:
+        expected = plain.serve([Request("r", prompt, NEW_TOKENS)])[0]
+    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as engine:
+        engine.serve([Request("w", prompt, NEW_TOKENS)])
+        engine.flush_cache()
+        hashes = page_hashes(prompt[: (len(prompt) - 1) // PAGE * PAGE], PAGE)
+        store = engine.store
+        assert store is not None
+        cut = store.usable_pages(hashes)
+        assert cut == len(hashes), "the whole prompt was backed up"
+        missing = hashes[cut - 1]  # inside every pool's trailing window of the full cut
+        assert store.backend.delete(store.keys(pool, [missing])) == [True]
+        assert store.usable_pages(hashes) < cut
+        result = engine.serve([Request("r", prompt, NEW_TOKENS)])[0]
+    assert result.cached_storage < cut * PAGE
+    assert result.output_ids == expected.output_ids and torch.equal(result.logits, expected.logits)
+    assert result.draft_ids == expected.draft_ids
