@@ -15,7 +15,11 @@ import torch
 from hicache_core.controller import WritePolicy
 from hicache_core.engine import CacheTiers, Request, make_conversations
 from hicache_core.hybrid.engine import HybridEngine, HybridEngineConfig, HybridResult
-from hicache_core.hybrid.model import HybridModelConfig
+from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
+from hicache_core.model import TinyDecoder
+from hicache_core.pools import HostPool
+from hicache_core.radix_tree import TreeNode
+from hicache_storage import kernels
 from hicache_storage.keys import page_hashes
 
 PAGE = 8
@@ -122,6 +126,77 @@ def test_restart_restores_from_storage(uncached, tmp_path) -> None:
     assert_same_outputs(uncached, results)
     first_round = results[: len(CONVERSATIONS)]
     assert all(r.cached_storage == 24 for r in first_round), "each prompt's last whole page (24 of 31 tokens) is in L3"
+
+
+# --- every cached state is what recomputing its prefix gives ----------------------------------
+
+
+def read_host(pool: HostPool, device_like: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The KV of host ``slots`` as a layer-first ``(halves, layers, n, heads, dim)`` tensor."""
+    scratch = torch.zeros((*device_like.shape[:2], slots.numel(), *device_like.shape[3:]), dtype=device_like.dtype)
+    for layer in range(device_like.shape[1]):
+        kernels.load_layer(
+            scratch, pool.kv, layer=layer, device_indices=torch.arange(slots.numel()), host_indices=slots,
+            layout=pool.layout, page_size=pool.page_size,
+        )
+    return scratch
+
+
+def audit(engine: HybridEngine) -> int:
+    """Compare every node's FULL, draft and SWA KV and checkpoint, on both tiers, with a fresh
+    prefill of the node's whole prefix; returns how many copies were checked."""
+    model, draft_model = HybridDecoder(MODEL), TinyDecoder(MODEL.draft_config())
+    checked = 0
+    for node in engine.tree.nodes():
+        path: list[TreeNode] = []
+        step = node
+        while step is not engine.tree.root:
+            path.append(step)
+            step = step.parent  # type: ignore[assignment]
+        tokens = torch.tensor([t for n in reversed(path) for t in n.key])
+        n, begin = node.end, node.end - len(node.key)
+        slots = torch.arange(n)
+        full = torch.zeros((2, MODEL.full_layers, n, MODEL.kv_heads, MODEL.head_dim))
+        swa = torch.zeros((2, MODEL.swa_layers, n, MODEL.kv_heads, MODEL.head_dim))
+        draft = torch.zeros((2, 1, n, MODEL.kv_heads, MODEL.head_dim))
+        state = model.new_state()
+        model.forward(tokens, 0, full, slots, swa, slots, state)
+        draft_model.forward(tokens, draft, slots, slots)
+        expected = {"full": full[:, :, begin:], "draft": draft[:, :, begin:], "swa": swa[:, :, begin:]}
+        copies = {
+            "full": (node.device_value, node.host_value, engine.full),
+            "draft": (node.device_value, node.host_value, engine.draft),
+            "swa": (engine.window.slots(node, True), engine.window.slots(node, False), engine.swa),
+        }
+        for name, (device, host, tiers) in copies.items():
+            if device is not None:
+                assert torch.equal(tiers.device.kv[:, :, device], expected[name]), f"{node}: device {name} KV"
+                checked += 1
+            if host is not None:
+                assert torch.equal(read_host(tiers.host, tiers.device.kv, host), expected[name]), f"{node}: host {name} KV"
+                checked += 1
+        for on_device, states in ((True, engine.states.device), (False, engine.states.host)):
+            slot = engine.checkpoints.slots(node, on_device)
+            if slot is not None:
+                assert torch.equal(states[int(slot)], state), f"{node}: {'device' if on_device else 'host'} checkpoint"
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_every_cached_state_equals_a_recomputation(policy, tmp_path) -> None:
+    """After a workload under memory pressure (evictions, tombstones, restores from L3), every copy
+    the tree holds is bit-identical to recomputing it: nothing stale, nothing mixed up."""
+    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy, swa_device_pages=16)) as engine:
+        histories: list[list[int]] = [[] for _ in CONVERSATIONS]
+        serve_rounds(engine, range(2), histories)
+        engine.flush_cache()
+        serve_rounds(engine, range(2, 3), histories)
+        assert audit(engine) > 10
+        tombstones = [
+            n for n in engine.tree.nodes() if n.device_value is not None and not engine.window.present(n, device=True)
+        ]
+        assert tombstones, "the SWA device pool is smaller than the FULL one: some nodes must have lost their window KV"
 
 
 # --- the branch-backup scenario --------------------------------------------------------------
