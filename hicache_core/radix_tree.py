@@ -562,9 +562,10 @@ class RadixTree:
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots; never a node with host I/O in flight or locked.
 
-        Nodes leading to no session-referenced node go first, then the rest (no pinning). In
-        each of those groups host-only leaves go first (the node is deleted), then host copies
-        of device-resident nodes (the node stays on the device); least recently used first.
+        Nodes leading to no session-referenced node go first, then the rest (no pinning), each
+        group least recently used first. Unreferenced host-only leaves (the node is deleted) go
+        before host copies of unreferenced device-resident nodes (the node stays on the device);
+        among referenced nodes it is the other way round (see ``_host_rank``).
         """
         referenced = self._settle_recency()
         heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
@@ -652,8 +653,14 @@ class RadixTree:
         )
 
     @staticmethod
-    def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[bool, int, float, int, TreeNode]:
-        return (node in referenced, 0 if node.device_value is None else 1, node.last_access, node.id, node)
+    def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[int, int, float, int, TreeNode]:
+        """Host eviction order. A session will read a referenced node again: dropping only the
+        host copy of one still on the device keeps it cached, deleting a host-only one does not,
+        so referenced nodes lose device-resident host copies first (measured in docs/sessions.md)."""
+        on_device = node.device_value is not None
+        if node in referenced:
+            return (1, 0 if on_device else 1, node.last_access, node.id, node)
+        return (0, 1 if on_device else 0, node.last_access, node.id, node)
 
     def _delete_subtree(self, node: TreeNode) -> None:
         """Remove ``node`` (no device copy left) and its descendants, freeing their host copies."""

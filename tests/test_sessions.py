@@ -105,21 +105,28 @@ def test_host_eviction_takes_unreferenced_nodes_first_then_referenced_ones():
     frees = Frees()
     tree = frees.tree()
     sessions = SessionTable(tree)
+    ticket = sessions.ticket("a")
     for i, start in enumerate((0, 10, 20)):
         tree.insert([i, i, 9, 9], slots(start, 4))
         back_up(tree, [i, i, 9, 9], 100 + start)
-    sessions.reference(sessions.ticket("a"), node_of(tree, [0, 0, 9, 9]))
-    assert tree.evict_device(4) == 4 and frees.device == [10, 11, 12, 13]
-    assert tree.evict_device(4) == 4 and frees.device[4:] == [20, 21, 22, 23]
-    assert tree.evict_device(4) == 4 and frees.device[8:] == [0, 1, 2, 3]
-    # All three are host-only now; [0, 0, 9, 9] is the oldest but referenced.
-    assert tree.evict_host(4) == 4 and frees.host == [110, 111, 112, 113]
+    sessions.reference(ticket, node_of(tree, [0, 0, 9, 9]))
+    assert tree.evict_device(100) == 12 and frees.device == [10, 11, 12, 13, 20, 21, 22, 23, 0, 1, 2, 3]
+    # Host-only now: [0, 0, 9, 9] (the oldest, referenced), [1, 1, 9, 9], [2, 2, 9, 9].
+    # On the device with a host copy: [5, 5] (referenced) and [6, 6].
     tree.insert([5, 5], slots(40, 2))
     back_up(tree, [5, 5], 140)
-    # An unreferenced device-resident node's host copy goes before the referenced host-only leaf.
-    assert tree.evict_host(6) == 6 and frees.host[4:] == [120, 121, 122, 123, 140, 141]
-    assert tree.evict_host(4) == 4 and frees.host[10:] == [100, 101, 102, 103], "no pinning on the host either"
-    assert tree.token_counts() == {"device": 2, "host": 0, "nodes": 1}
+    tree.insert([6, 6], slots(50, 2))
+    back_up(tree, [6, 6], 150)
+    sessions.reference(ticket, node_of(tree, [5, 5]))
+    assert tree.evict_host(8) == 8 and frees.host == [110, 111, 112, 113, 120, 121, 122, 123], (
+        "unreferenced host-only nodes first, least recently used first"
+    )
+    assert tree.evict_host(2) == 2 and frees.host[8:] == [150, 151], "then unreferenced host copies of device nodes"
+    assert tree.evict_host(2) == 2 and frees.host[10:] == [140, 141], (
+        "a referenced node still on the device loses its host copy before a referenced host-only node is deleted"
+    )
+    assert tree.evict_host(4) == 4 and frees.host[12:] == [100, 101, 102, 103], "no pinning on the host either"
+    assert tree.token_counts() == {"device": 4, "host": 0, "nodes": 2}
     tree.check_invariants()
 
 
