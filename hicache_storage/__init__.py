@@ -29,6 +29,7 @@ from hicache_storage.errors import (
     ValueTooLargeError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard, hash_page, page_hashes
+from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, longest_cut
 from hicache_storage.registry import create_backend, describe_backends, resolve
 from hicache_storage.wrappers import wrap
 
@@ -45,12 +46,15 @@ __all__ = [
     "ConfigError",
     "InvalidArgumentError",
     "InvalidKeyError",
+    "HitPolicy",
     "KeyScope",
     "MissingDependencyError",
+    "MultiPoolStore",
     "Namespace",
     "PageKey",
     "PermanentError",
     "PermissionDeniedError",
+    "PoolSpec",
     "RawBuffer",
     "RetryableError",
     "Shard",
@@ -64,6 +68,7 @@ __all__ = [
     "create_backend",
     "describe_backends",
     "hash_page",
+    "longest_cut",
     "page_hashes",
     "resolve",
     "wrap",

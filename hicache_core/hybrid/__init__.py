@@ -4,3 +4,19 @@ One radix tree keyed by tokens holds every component's state; see :mod:`.compone
 rules each component brings, :mod:`.model` for the reference model and :mod:`.engine` for the
 engine that serves it through L1, L2 and L3.
 """
+
+from hicache_core.hybrid.components import Copies, PooledComponent, RecurrentState, SlidingWindow
+from hicache_core.hybrid.engine import HybridEngine, HybridEngineConfig, HybridResult
+from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
+
+__all__ = [
+    "Copies",
+    "HybridDecoder",
+    "HybridEngine",
+    "HybridEngineConfig",
+    "HybridModelConfig",
+    "HybridResult",
+    "PooledComponent",
+    "RecurrentState",
+    "SlidingWindow",
+]
