@@ -250,3 +250,12 @@ def test_a_missing_page_of_any_pool_shortens_the_restored_prefix(uncached, pool,
     assert result.cached_storage < cut * PAGE
     assert result.output_ids == expected.output_ids and torch.equal(result.logits, expected.logits)
     assert result.draft_ids == expected.draft_ids
+
+
+def test_sessions_reference_what_their_requests_cached() -> None:
+    with HybridEngine(config(CacheTiers.L1_L2)) as engine:
+        engine.serve([Request("a", SHARED + SUFFIXES[0][0], NEW_TOKENS, session_id="s")])
+        (node,) = engine.sessions.referenced_nodes("s")
+        assert node.session_refs == 1 and node.end == (len(SHARED) + 12 + NEW_TOKENS - 1) // PAGE * PAGE
+        engine.close_session("s")
+        assert node.session_refs == 0 and engine.tree.in_tree(node), "closing drops the reference, not the data"
