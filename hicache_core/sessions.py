@@ -65,7 +65,9 @@ class _Session:
 class SessionTable:
     """The open sessions of one tree and the node references they hold (see the module docstring)."""
 
-    def __init__(self, tree: RadixTree, *, nodes_per_session: int = NODES_PER_SESSION, max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(
+        self, tree: RadixTree, *, nodes_per_session: int = NODES_PER_SESSION, max_sessions: int = MAX_SESSIONS
+    ) -> None:
         if nodes_per_session < 1 or max_sessions < 1:
             raise ValueError(
                 f"nodes_per_session ({nodes_per_session}) and max_sessions ({max_sessions}) must be at least 1"
