@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from hicache_core import (
 from hicache_storage.registry import create_backend
 from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
 
+#: The tiny real model (deterministic on the CPU) the soak and the fault matrix run.
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
 STALL_EXIT_CODE = 3
 
@@ -183,19 +185,36 @@ class Watchdog(threading.Thread):
         self._stop.set()
 
 
-def _serve(engine: Engine, conversations: list[list[list[int]]], tag: str, new_tokens: int,
-           watchdog: Watchdog) -> list[RequestResult]:
+def serve_rounds(engine: Engine, conversations: list[list[list[int]]], tag: str, new_tokens: int,
+                 during: Callable[[], None] | None = None) -> list[RequestResult]:
+    """Multi-turn serving with one barrier per round: round r of every conversation (its history
+    of prompts and outputs so far, then its turn) is submitted, and the engine stepped until all
+    are done, calling ``during`` after every step (a fault test injects its fault from there).
+    Results in (round, conversation) order."""
     histories: list[list[int]] = [[] for _ in conversations]
     out: list[RequestResult] = []
     for r in range(max(len(c) for c in conversations)):
         requests = [(c, Request(f"{tag}-c{c}-r{r}", histories[c] + list(turns[r]), new_tokens))
                     for c, turns in enumerate(conversations) if r < len(turns)]
-        results = engine.serve([request for _, request in requests])
-        watchdog.progress += len(results)
-        for (c, request), result in zip(requests, results):
-            histories[c] = request.tokens + result.output_ids
-            out.append(result)
+        for _, request in requests:
+            engine.submit(request)
+        done: dict[str, RequestResult] = {}
+        while engine.has_work():
+            engine.step()
+            if during is not None:
+                during()
+            done.update((result.rid, result) for result in engine.take_results())
+        for c, request in requests:
+            histories[c] = request.tokens + done[request.rid].output_ids
+            out.append(done[request.rid])
     return out
+
+
+def _serve(engine: Engine, conversations: list[list[list[int]]], tag: str, new_tokens: int,
+           watchdog: Watchdog) -> list[RequestResult]:
+    results = serve_rounds(engine, conversations, tag, new_tokens)
+    watchdog.progress += len(results)
+    return results
 
 
 def _compare(report: SoakReport, expected: list[RequestResult], got: list[RequestResult]) -> None:
@@ -207,10 +226,15 @@ def _compare(report: SoakReport, expected: list[RequestResult], got: list[Reques
         report.storage_hit_tokens += have.cached_storage
 
 
-def _engine_config(config: SoakConfig, tiers: CacheTiers) -> EngineConfig:
+def tiny_engine_config(tiers: CacheTiers, storage_timeout_s: float | None) -> EngineConfig:
+    """The engine of the soak and of the fault matrix (``tests/test_fault_matrix.py``): :data:`MODEL`
+    on pools too small for a multi-turn history (pages of 4 tokens, 36 on the device, 48 on the
+    host), so pages really go to storage and come back; write-through; prefetch from 8 tokens
+    with the ``wait_complete`` stop policy (a request waits for what storage has); at most 2
+    requests running."""
     controller = ControllerConfig(
         prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
-        storage_timeout_s=config.storage_timeout_s,
+        storage_timeout_s=storage_timeout_s,
     )
     return EngineConfig(model=MODEL, tiers=tiers, page_size=4, device_pages=36, host_pages=48, host_ratio=None,
                         controller=controller, max_running=2)
@@ -232,8 +256,8 @@ def run_soak(config: SoakConfig, report_path: Path | None = None) -> SoakReport:
         deadline = started + config.minutes * 60
         next_sample = started
         try:
-            with Engine(_engine_config(config, CacheTiers.OFF)) as reference, \
-                    Engine(_engine_config(config, CacheTiers.L1_L2_L3), storage=integrity) as engine:
+            with Engine(tiny_engine_config(CacheTiers.OFF, config.storage_timeout_s)) as reference, \
+                    Engine(tiny_engine_config(CacheTiers.L1_L2_L3, config.storage_timeout_s), storage=integrity) as engine:
                 epoch = 0
                 while time.monotonic() < deadline:
                     conversations = make_conversations(config.clients, config.rounds, config.turn_tokens,

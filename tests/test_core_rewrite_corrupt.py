@@ -13,32 +13,17 @@ from pathlib import Path
 
 import torch
 
-from hicache_core import (
-    CacheTiers,
-    ControllerConfig,
-    Engine,
-    EngineConfig,
-    ModelConfig,
-    PrefetchConfig,
-    Request,
-    RequestResult,
-    StopPolicy,
-)
+from hicache_core import CacheTiers, Engine, Request, RequestResult
 from hicache_core.prefetch import SuspectPages
+from hicache_core.soak import tiny_engine_config
 from hicache_storage import create_backend
 from hicache_storage.keys import page_hashes
 from hicache_storage.wrappers import IntegrityWrapper
 
-MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=13)
-PAGE_SIZE = 4
+PAGE_SIZE = 4  # the tiny engine's page size
 PROMPT = [int(t) for t in torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(8))]
 CORRUPT_PAGE = 5  # a page in the middle: the pages before it still hit, the ones after cannot
-
-
-def engine_config(tiers: CacheTiers) -> EngineConfig:
-    controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE))
-    return EngineConfig(model=MODEL, tiers=tiers, page_size=PAGE_SIZE, device_pages=64, host_pages=64,
-                        host_ratio=None, controller=controller)
+STORAGE_TIMEOUT_S = 5.0
 
 
 def serve_once(engine: Engine, tag: str) -> RequestResult:
@@ -66,11 +51,11 @@ def corrupt_page_file(root: Path, page_hash: str) -> None:
 
 
 def test_a_corrupted_page_is_rewritten_and_hits_again(tmp_path):
-    with Engine(engine_config(CacheTiers.OFF)) as off:
+    with Engine(tiny_engine_config(CacheTiers.OFF, STORAGE_TIMEOUT_S)) as off:
         expected = off.serve([Request("off", PROMPT, 3)])[0]
     root = tmp_path / "kv"
     integrity = IntegrityWrapper(create_backend("file", {"root": str(root)}))
-    with Engine(engine_config(CacheTiers.L1_L2_L3), storage=integrity) as engine:
+    with Engine(tiny_engine_config(CacheTiers.L1_L2_L3, STORAGE_TIMEOUT_S), storage=integrity) as engine:
         assert same_outputs(expected, serve_once(engine, "warm"))
         healthy = serve_once(engine, "healthy")
         assert same_outputs(expected, healthy)

@@ -40,18 +40,8 @@ import pytest
 import torch
 
 from connector_matrix import connector_config
-from hicache_core import (
-    CacheTiers,
-    ControllerConfig,
-    Engine,
-    EngineConfig,
-    ModelConfig,
-    PrefetchConfig,
-    Request,
-    RequestResult,
-    StopPolicy,
-    make_conversations,
-)
+from hicache_core import CacheTiers, Engine, EngineConfig, RequestResult, make_conversations
+from hicache_core.soak import serve_rounds, tiny_engine_config
 from hicache_storage import KeyScope, Namespace, create_backend
 from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import PageKey
@@ -59,17 +49,14 @@ from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
 from hicache_storage.wrappers.base import BackendWrapper
 from hicache_storage.wrappers.faults import ERROR_KINDS
 
-MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
 WARM = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
 FRESH = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=6)
 WORKLOAD = WARM + FRESH
 NEW_TOKENS = 3
-PAGE_SIZE = 4
 #: The engine's storage timeout (``ControllerConfig.storage_timeout_s``): 1 s, 3 s for S3, whose
 #: healthy batches of puts can take about a second on a loaded 2-core machine.
 STORAGE_TIMEOUT_S = 1.0
 STORAGE_TIMEOUT_S_BY_CONNECTOR = {"s3": 2.0}
-MAX_RUNNING = 2
 
 
 def latency_bound(timeout_s: float) -> float:
@@ -85,37 +72,14 @@ pytestmark = pytest.mark.slow
 
 
 def engine_config(tiers: CacheTiers = CacheTiers.L1_L2_L3, timeout_s: float = STORAGE_TIMEOUT_S) -> EngineConfig:
-    controller = ControllerConfig(
-        prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
-        storage_timeout_s=timeout_s,
-    )
-    return EngineConfig(
-        model=MODEL, tiers=tiers, page_size=PAGE_SIZE, device_pages=36, host_pages=48, host_ratio=None,
-        controller=controller, max_running=MAX_RUNNING,
-    )
+    """The soak's tiny engine (:func:`hicache_core.soak.tiny_engine_config`), with L3 by default."""
+    return tiny_engine_config(tiers, timeout_s)
 
 
 def serve(engine: Engine, conversations: list[list[list[int]]], tag: str,
           during: Callable[[], None] | None = None) -> list[RequestResult]:
-    """Multi-turn serving (one barrier per round) through submit/step, calling ``during`` after
-    every step so a fault can be injected mid-run. Results in (round, conversation) order."""
-    histories: list[list[int]] = [[] for _ in conversations]
-    out: list[RequestResult] = []
-    for r in range(max(len(c) for c in conversations)):
-        requests = [(c, Request(f"{tag}-c{c}-r{r}", histories[c] + list(turns[r]), NEW_TOKENS))
-                    for c, turns in enumerate(conversations) if r < len(turns)]
-        for _, request in requests:
-            engine.submit(request)
-        done: dict[str, RequestResult] = {}
-        while engine.has_work():
-            engine.step()
-            if during is not None:
-                during()
-            done.update((res.rid, res) for res in engine.take_results())
-        for c, request in requests:
-            histories[c] = request.tokens + done[request.rid].output_ids
-            out.append(done[request.rid])
-    return out
+    """The multi-turn workload (:func:`hicache_core.soak.serve_rounds`), ``NEW_TOKENS`` per request."""
+    return serve_rounds(engine, conversations, tag, NEW_TOKENS, during)
 
 
 @pytest.fixture(scope="module")
