@@ -101,6 +101,7 @@ from hicache_storage.vectored_io import pwritev_full
 
 logger = logging.getLogger(__name__)
 
+#: The file in each namespace directory that describes its namespace, for operators.
 NAMESPACE_FILE = "namespace.json"
 
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
