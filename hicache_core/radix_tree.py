@@ -7,7 +7,7 @@ count (host pages with storage I/O in flight), a hit count and the
 last access time. L3 presence is never recorded here: it is asked live from the store.
 
 A node's recency is the latest access time in its subtree: a match stamps only the deepest node
-it reaches, and eviction settles the path's times first (``_settle_recency``); inserts stamp
+it reaches, and eviction settles the path's times first (``settle_recency``); inserts stamp
 their whole path. Lookups by :class:`~hicache_core.token_sequence.TokenSequence` jump to the
 deepest cached page through a page-hash index, so their cost does not grow with the length of
 the conversation (see ``RadixTree``).
@@ -230,7 +230,7 @@ class RadixTree:
         """Longest cached prefix of ``tokens``: the device part, then the host part after it.
 
         Splits a node where the match ends inside it, and refreshes the access time of the
-        matched path (stamped on its deepest node only; see ``_settle_recency``).
+        matched path (stamped on its deepest node only; see ``settle_recency``).
         With ``count_host=False`` (buffer-only mode) host copies are not hits.
         """
         node, matched = self._locate(tokens)
@@ -253,7 +253,7 @@ class RadixTree:
             host_node = candidate
         now = self._clock()
         if host_node is not root:
-            host_node.last_access = now  # the path above it is as recent: see _settle_recency
+            host_node.last_access = now  # the path above it is as recent: see settle_recency
         return MatchResult(device_node, host_length, host_node, root)
 
     def resume_point(self, node: TreeNode, *, on_device: bool) -> TreeNode:
@@ -276,6 +276,8 @@ class RadixTree:
         state that starts or ends there (a checkpoint, the start of a window).
         """
         self._check_aligned(position)
+        if not 0 <= position <= node.end:
+            raise ValueError(f"position {position} is outside the path ending at {node.end}")
         while node is not self.root and node.end - len(node.key) >= position:
             if node.end == position:
                 return node
@@ -509,7 +511,7 @@ class RadixTree:
         """One more session references ``node`` directly; False (nothing counted) if it is the root or deleted.
 
         Unlike a lock, only ``node`` is counted (O(1)): eviction works out which ancestors lead to a
-        referenced node once per eviction (``_settle_recency``). A reference never blocks eviction.
+        referenced node once per eviction (``settle_recency``). A reference never blocks eviction.
         """
         if not self.in_tree(node):
             return False
@@ -533,7 +535,7 @@ class RadixTree:
         deleted with its host-only descendants, unless host I/O protects them.
         Returns the number of device tokens freed (less than asked when too much is locked).
         """
-        referenced = self._settle_recency()
+        referenced = self.settle_recency()
         heap = [(n in referenced, n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
         heapq.heapify(heap)
         freed = 0
@@ -567,7 +569,7 @@ class RadixTree:
         before host copies of unreferenced device-resident nodes (the node stays on the device);
         among referenced nodes it is the other way round (see ``_host_rank``).
         """
-        referenced = self._settle_recency()
+        referenced = self.settle_recency()
         heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
@@ -609,8 +611,11 @@ class RadixTree:
             self._forget(node, parent)
             node = parent
 
-    def _settle_recency(self) -> set[TreeNode]:
+    def settle_recency(self) -> set[TreeNode]:
         """Give every node the latest access time in its subtree; return the session-referenced nodes.
+
+        Every eviction starts here: the tree's own, and a component's (which ranks its holders the
+        same way: unreferenced first, then least recently used).
 
         Whatever reaches a node went through all its ancestors, so an ancestor was used at least
         as recently as any descendant. A match stamps only the deepest node it reached (no walk

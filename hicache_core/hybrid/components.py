@@ -12,8 +12,9 @@ and/or the host. Beside it:
   token. A request copies it to a private slot before running on (the checkpoint stays intact).
 
 Both keep their state per node in :class:`Copies` (slots on the device and host pools they own)
-and evict it themselves, least recently used first, never from a locked node. The FULL KV
-decides where a node exists; a component's state without it is freed with the node.
+and evict it themselves in the tree's order (unreferenced by sessions, then least recently used
+first), never from a locked node. The FULL KV decides where a node exists; a component's state
+without it is freed with the node.
 
 Single-threaded, like the tree: the engine's scheduler owns both.
 """
@@ -119,13 +120,15 @@ class PooledComponent:
         return slots
 
     def evict(self, count: int, device: bool) -> int:
-        """Tombstone unlocked nodes' state on one tier, least recently used first, until ``count`` slots are free."""
+        """Tombstone unlocked nodes' state on one tier until ``count`` slots are free: nodes no
+        session references first, each group least recently used first (as the tree evicts)."""
         assert self.tree is not None, f"{self.name} is not attached to a tree"
         allocator = self.device_allocator if device else self.host_allocator
         assert allocator is not None
+        referenced = self.tree.settle_recency()
         candidates = sorted(
             (n for n in self._holders(device) if n.lock_ref == 0 and (device or n.host_ref == 0)),
-            key=lambda n: (n.last_access, n.id),
+            key=lambda n: (n in referenced, n.last_access, n.id),
         )
         freed = 0
         for node in candidates:
