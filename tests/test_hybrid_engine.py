@@ -19,7 +19,7 @@ from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
 from hicache_core.model import TinyDecoder
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import TreeNode
-from hicache_storage import kernels
+from hicache_storage import create_backend, kernels, wrap
 from hicache_storage.keys import page_hashes
 
 PAGE = 8
@@ -244,7 +244,8 @@ def test_a_missing_page_of_any_pool_shortens_the_restored_prefix(uncached, pool,
         cut = store.usable_pages(hashes)
         assert cut == len(hashes), "the whole prompt was backed up"
         missing = hashes[cut - 1]  # inside every pool's trailing window of the full cut
-        assert store.backend.delete(store.keys(pool, [missing])) == [True]
+        name = engine.kv_pool if pool == "kv" else pool
+        assert store.backend.delete(store.keys(name, [missing])) == [True]
         assert store.usable_pages(hashes) < cut
         result = engine.serve([Request("r", prompt, NEW_TOKENS)])[0]
     assert result.cached_storage < cut * PAGE
@@ -259,3 +260,22 @@ def test_sessions_reference_what_their_requests_cached() -> None:
         assert node.session_refs == 1 and node.end == (len(SHARED) + 12 + NEW_TOKENS - 1) // PAGE * PAGE
         engine.close_session("s")
         assert node.session_refs == 0 and engine.tree.in_tree(node), "closing drops the reference, not the data"
+
+
+def test_a_failing_and_hanging_store_degrades_to_recomputation(uncached, tmp_path) -> None:
+    """Errors on every operation and calls that hang past the timeout: outputs stay exact, the
+    engine never raises, the failures are counted, and hits resume once the store recovers."""
+    faults = {"error_rate": 0.2, "errors": ["unavailable", "runtime", "timeout"], "hang_rate": 0.05, "hang_seconds": 2.0}
+    storage = wrap(
+        create_backend("file", {"root": str(tmp_path)}),
+        [{"kind": "faults", "seed": 3, "exists": faults, "get": faults, "put": faults}],
+    )
+    with HybridEngine(config(CacheTiers.L1_L2_L3, storage_timeout_s=0.2), storage) as engine:
+        failing = serve_rounds(engine, range(3), [[] for _ in CONVERSATIONS], flush=True)
+        counters = engine.metrics.snapshot()
+        storage.pause()  # type: ignore[attr-defined]
+        recovered = serve_rounds(engine, range(3), [[] for _ in CONVERSATIONS], flush=True)
+    assert_same_outputs(uncached, failing)
+    assert_same_outputs(uncached, recovered)
+    assert counters["storage_errors"] > 0 and counters["storage_timeouts"] > 0
+    assert all(r.cached_storage > 0 for r in recovered[len(CONVERSATIONS) :]), "hits resume once the store works"

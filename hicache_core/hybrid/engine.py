@@ -40,15 +40,18 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, page_hashes
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.registry import create_backend
+from hicache_storage.wrappers.timeout import TimeoutWrapper
 
 from hicache_core.controller import WritePolicy
 from hicache_core.engine import CacheTiers, EngineCapacityError, Request, RequestResult
 from hicache_core.hybrid.components import PooledComponent, RecurrentState, SlidingWindow, attach
 from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
+from hicache_core.metrics import CacheMetrics
 from hicache_core.model import TinyDecoder
 from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.sessions import SessionTable, SessionTicket
+from hicache_core.storage_calls import guarded_call
 from hicache_core.transfer import Transfers
 
 
@@ -75,6 +78,8 @@ class HybridEngineConfig:
     draft: bool = True
     storage_backend: str | None = None
     storage_config: dict[str, Any] | None = None
+    #: Longest wait for one storage call (a failing or hanging store means a miss, never a crash).
+    storage_timeout_s: float | None = 5.0
     tenant: str | None = None
     revision: str | None = None
     device: str | None = None
@@ -162,12 +167,15 @@ class HybridEngine:
         )
         attach(self.tree, self.components)
         self.sessions = SessionTable(self.tree)
+        self.metrics = CacheMetrics()
         self.store: MultiPoolStore | None = None
         if config.tiers.storage:
             if storage is None:
                 if config.storage_backend is None:
                     raise ValueError("tiers L1+L2+L3 need storage: pass a backend or set storage_backend")
                 storage = create_backend(config.storage_backend, config.storage_config)
+            if config.storage_timeout_s is not None:
+                storage = TimeoutWrapper(storage, {"seconds": config.storage_timeout_s})
             self.store = MultiPoolStore(storage, self.key_scope, self.pool_specs)
 
     # --- public API ---------------------------------------------------------------------------
@@ -179,11 +187,17 @@ class HybridEngine:
         return KeyScope(namespace)
 
     @property
+    def kv_pool(self) -> str:
+        """The KV pool's name in L3: its values carry the draft KV when there is a draft model, so
+        engines with and without one keep apart (their values differ in length)."""
+        return "kv_draft" if self.draft is not None else "kv"
+
+    @property
     def pool_specs(self) -> list[PoolSpec]:
         """The L3 pools: KV (all pages, with the draft KV as a sidecar), SWA window, checkpoint."""
         window_pages = max(1, -(-self.window_tokens // self.config.page_size))
         return [
-            PoolSpec("kv", HitPolicy.ALL_PAGES),
+            PoolSpec(self.kv_pool, HitPolicy.ALL_PAGES),
             PoolSpec("swa", HitPolicy.TRAILING_PAGES, window_pages),
             PoolSpec("mamba", HitPolicy.TRAILING_PAGES, 1),
         ]
@@ -193,9 +207,9 @@ class HybridEngine:
         tickets = [self.sessions.ticket(r.session_id) if r.session_id is not None else None for r in requests]
         return [self._run(request, ticket) for request, ticket in zip(requests, tickets)]
 
-    def close_session(self, session_id: str) -> None:
-        """Drop the session's references (its cached data stays, evicted like any other)."""
-        self.sessions.close(session_id)
+    def close_session(self, session_id: str) -> bool:
+        """Drop the session's references (its cached data stays, evicted like any other); whether it was open."""
+        return self.sessions.close(session_id)
 
     def flush_cache(self) -> None:
         """Empty L1 and L2 (write-back backs up first); L3 keeps its pages."""
@@ -263,6 +277,13 @@ class HybridEngine:
         result.cached_device = on_device.end
         result.cached_storage = max(0, node.end - max(local.end, on_device.end))
         result.cached_host = node.end - result.cached_device - result.cached_storage
+        self.metrics.add(
+            prompt_tokens=len(request.tokens),
+            device_hit_tokens=result.cached_device,
+            host_hit_tokens=result.cached_host,
+            storage_hit_tokens=result.cached_storage,
+            computed_tokens=len(request.tokens) - node.end,
+        )
         return node, match.matched_length
 
     def _materialize(self, node: TreeNode) -> bool:
@@ -421,8 +442,7 @@ class HybridEngine:
         if self.draft is not None:
             self.draft.to_host(node.device_value, host_slots)
         node.host_value = host_slots
-        if self.store is not None:
-            self.store.put("kv", node.page_hashes, self._kv_segments(host_slots))
+        self._put(self.kv_pool, node.page_hashes, self._kv_segments(host_slots))
         self._backup_components(node)
         return True
 
@@ -434,17 +454,23 @@ class HybridEngine:
             if device_slots is not None and host_slots is not None:
                 self.swa.to_host(device_slots, host_slots)
                 self.window.set(node, host_slots, device=False)
-                if self.store is not None:
-                    assert self.swa.host is not None
-                    self.store.put("swa", node.page_hashes, self.swa.host.segments_for(host_slots))
+                assert self.swa.host is not None
+                self._put("swa", node.page_hashes, self.swa.host.segments_for(host_slots))
         device_slot = self.checkpoints.slots(node, device=True)
         if device_slot is not None and self.checkpoints.slots(node, device=False) is None:
             host_slot = self.checkpoints.alloc(1, device=False)
             if host_slot is not None:
                 self.states.host[host_slot] = self.states.device[device_slot].cpu()
                 self.checkpoints.set(node, host_slot, device=False)
-                if self.store is not None:
-                    self.store.put("mamba", [node.page_hashes[-1]], [self.states.host[int(host_slot)]])
+                self._put("mamba", [node.page_hashes[-1]], [self.states.host[int(host_slot)]])
+
+    def _put(self, pool: str, hashes: list[str], buffers: list[Any]) -> None:
+        """Store pages of one pool; a failure is counted and logged, and the pages stay uncached in L3."""
+        if self.store is None:
+            return
+        store = self.store
+        stored = guarded_call(self.metrics, lambda: store.put(pool, hashes, buffers), [False] * len(hashes), "put")
+        self.metrics.add(storage_backup_pages=sum(stored), storage_backup_failed_batches=int(not all(stored)))
 
     # --- reads: storage -> host ---------------------------------------------------------------
 
@@ -455,7 +481,8 @@ class HybridEngine:
         assert self.store is not None and self.full.host is not None
         ps = self.config.page_size
         hashes = page_hashes(tokens[: len(tokens) // ps * ps], ps)
-        cut = self.store.usable_pages(hashes)
+        store = self.store
+        cut = guarded_call(self.metrics, lambda: store.usable_pages(hashes), 0, "exists")
         end = cut * ps
         if end <= local.end:
             return
@@ -464,8 +491,7 @@ class HybridEngine:
             slots = self._alloc_host_full(end - held)
             if slots is None:
                 return
-            found = self.store.get_into("kv", hashes[held // ps : cut], self._kv_segments(slots))
-            if not all(found):
+            if not self._get(self.kv_pool, hashes[held // ps : cut], self._kv_segments(slots)):
                 self.full.host.allocator.free(slots)
                 return
             placed = self.tree.insert_host(tokens[:end], held, slots)
@@ -500,12 +526,20 @@ class HybridEngine:
             buffers: list[Any] = self.swa.host.segments_for(slots)
         else:
             buffers = [self.states.host[int(slots)]]
-        if not all(self.store.get_into(pool, keys, buffers)):
+        if not self._get(pool, keys, buffers):
             assert component.host_allocator is not None
             component.host_allocator.free(slots)
             return False
         component.set(node, slots, device=False)
         return True
+
+    def _get(self, pool: str, hashes: list[str], buffers: list[Any]) -> bool:
+        """Read pages of one pool; True only if every page arrived (a failure is a miss, counted)."""
+        assert self.store is not None
+        store = self.store
+        found = guarded_call(self.metrics, lambda: store.get_into(pool, hashes, buffers), [False] * len(hashes), "get")
+        self.metrics.add(prefetch_pages=sum(found), prefetch_failed_batches=int(not all(found)))
+        return all(found)
 
     # --- memory -------------------------------------------------------------------------------
 
