@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hicache_core.controller import WritePolicy
-from hicache_core.engine import CacheTiers, Request, make_conversations
+from hicache_core.engine import CacheTiers, EngineCapacityError, Request, make_conversations
 from hicache_core.hybrid.engine import HybridEngine, HybridEngineConfig, HybridResult
 from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
 from hicache_core.model import TinyDecoder
@@ -57,7 +57,25 @@ def serve_rounds(engine: HybridEngine, rounds: range, histories: list[list[int]]
         engine.tree.check_invariants()
         if flush:
             engine.flush_cache()
+            assert_nothing_held(engine)
     return results
+
+
+def assert_nothing_held(engine: HybridEngine) -> None:
+    """After a flush every slot of every pool is free again: no component state outlives its node."""
+    allocators = {
+        "full device": engine.full.device.allocator,
+        "swa device": engine.swa.device.allocator,
+        "checkpoint device": engine.states.device_allocator,
+    }
+    if engine.full.host is not None and engine.swa.host is not None and engine.states.host_allocator is not None:
+        allocators |= {
+            "full host": engine.full.host.allocator,
+            "swa host": engine.swa.host.allocator,
+            "checkpoint host": engine.states.host_allocator,
+        }
+    held = {name: a.num_pages - a.free_pages for name, a in allocators.items() if a.free_pages != a.num_pages}
+    assert not held, f"slots still held after a flush: {held}"
 
 
 def run(cfg: HybridEngineConfig, flush: bool = False) -> list[HybridResult]:
@@ -279,3 +297,12 @@ def test_a_failing_and_hanging_store_degrades_to_recomputation(uncached, tmp_pat
     assert_same_outputs(uncached, recovered)
     assert counters["storage_errors"] > 0 and counters["storage_timeouts"] > 0
     assert all(r.cached_storage > 0 for r in recovered[len(CONVERSATIONS) :]), "hits resume once the store works"
+
+
+def test_a_request_larger_than_the_device_pools_is_refused_without_leaking() -> None:
+    with HybridEngine(config(CacheTiers.L1_L2, device_pages=64, swa_device_pages=4)) as engine:
+        free = engine.full.device.allocator.free_pages
+        with pytest.raises(EngineCapacityError, match="swa_device_pages"):
+            engine.serve([Request("big", SHARED, NEW_TOKENS)])
+        assert engine.full.device.allocator.free_pages == free
+        engine.serve([Request("small", SHARED[:16], NEW_TOKENS)])  # the engine still serves

@@ -323,8 +323,10 @@ class HybridEngine:
         prefix = self._path_slots(node)
         swa_prefix = self._window_slots(node)
         own = self._alloc_full(total - start)
-        own_swa = self.window.alloc(total - start, device=True)
+        own_swa = self.window.alloc(total - start, device=True) if own is not None else None
         if own is None or own_swa is None:
+            if own is not None:
+                self.full.device.allocator.free(own)
             raise EngineCapacityError(
                 f"request {request.rid!r} needs {total - start} new token slots in the FULL and SWA device pools; "
                 "raise device_pages / swa_device_pages"
