@@ -8,9 +8,9 @@ its place and is issued on a later try. The prefetch thread asks the store ``pre
 ``batch_pages``, each batch's leading successes only, stopping at the first failed batch. A page
 the store reported yet failed to read (corrupted, truncated, gone) is remembered in
 :attr:`Prefetcher.suspects`, so the next backup of that page rewrites it instead of skipping it
-as present. The scheduler stops waiting by the stop policy: ``best_effort`` (take what arrived), ``wait_complete``,
-or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds after issue), then puts the
-completed pages into the tree as host copies.
+as present. The scheduler stops waiting by the stop policy: ``best_effort`` (take what
+arrived), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds
+after issue), then puts the completed pages into the tree as host copies.
 
 Page safety: an op's host pages are pinned in the allocator until the thread is done with them,
 so pages freed by an early stop are not reused while a read may still land in them.
