@@ -168,6 +168,22 @@ class SlidingWindow(PooledComponent):
     def accepts(self, node: TreeNode, on_device: bool) -> bool:
         return all(self.present(n, on_device) for n in self.window(node))
 
+    def insert(self, path: list[TreeNode], start: int, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Give each node of ``path`` from position ``start`` on its tokens' part of ``slots``
+        (device SWA slots of positions ``start, start + 1, ...``) where it holds none on the
+        device; returns the parts not taken, for the caller to free."""
+        unused = []
+        for node in path:
+            begin = node.end - len(node.key)
+            if begin < start:
+                continue
+            part = slots[begin - start : node.end - start]
+            if self.present(node, device=True):
+                unused.append(part)
+            else:
+                self.set(node, part, device=True)
+        return unused
+
     def window(self, node: TreeNode) -> list[TreeNode]:
         """The nodes holding the ``context_tokens`` tokens before ``node.end``, top down."""
         assert self.tree is not None
@@ -194,6 +210,21 @@ class RecurrentState(PooledComponent):
 
     def accepts(self, node: TreeNode, on_device: bool) -> bool:
         return self.present(node, on_device)
+
+    def insert(self, last: TreeNode, snapshots: dict[int, torch.Tensor], device_states: torch.Tensor) -> None:
+        """Keep each snapshot (the state after ``position`` tokens of ``last``'s path) as the
+        device checkpoint of the node ending there, cutting a node if needed; a boundary that
+        has one already keeps it, and one whose slot cannot be found stays without."""
+        assert self.tree is not None
+        for position, state in sorted(snapshots.items()):
+            holder = self.tree.boundary(last, position)
+            if self.present(holder, device=True):
+                continue
+            slot = self.alloc(1, device=True)
+            if slot is None:
+                continue
+            device_states[slot] = state
+            self.set(holder, slot, device=True)
 
 
 def attach(tree: RadixTree, components: tuple[PooledComponent, ...]) -> None:

@@ -389,27 +389,12 @@ class HybridEngine:
             self.full.device.allocator.free(own[full - start :])
         last = inserted.last_node
         self.tree.lock(last)  # nothing below may be evicted while the pools are filled in
-        unused_swa = [own_swa[full - start :]] if own_swa.numel() > full - start else []
-        for n in self._path(last):
-            begin = n.end - len(n.key)
-            if begin < start:
-                continue
-            slots = own_swa[begin - start : n.end - start]
-            if self.window.present(n, device=True):
-                unused_swa.append(slots)
-            else:
-                self.window.set(n, slots, device=True)
+        unused_swa = self.window.insert(self._path(last), start, own_swa)
+        if own_swa.numel() > full - start:
+            unused_swa.append(own_swa[full - start :])
         if unused_swa:
             self.swa.device.allocator.free(torch.cat(unused_swa))
-        for position, state in sorted(snapshots.items()):
-            holder = self.tree.boundary(last, position)
-            if self.checkpoints.present(holder, device=True):
-                continue
-            slot = self.checkpoints.alloc(1, device=True)
-            if slot is None:
-                continue  # every checkpoint slot is locked: this boundary stays without one
-            self.states.device[slot] = state
-            self.checkpoints.set(holder, slot, device=True)
+        self.checkpoints.insert(last, snapshots, self.states.device)
         self._write(self._path(last))  # after the checkpoints' boundaries cut nodes
         self.tree.unlock(last)
         return last
