@@ -24,6 +24,20 @@ Usage: ``python benchmarks/tree.py --out results/tree`` (the full trace, about a
 ``--quick`` (a small trace, run by the tests so the script cannot rot; its timings mean nothing).
 Writes ``tree.json`` and ``tree.md`` into ``--out``. :func:`bench_tree` and
 :func:`render_markdown` are the programmatic entry points.
+
+``--engine`` measures the reference engine's own tree calls instead (:func:`bench_engine`):
+multi-turn conversations served by :class:`hicache_core.engine.Engine` with modeled compute
+(no sleeps to speak of), timing only ``match_prefix``/``insert``/``insert_host`` and the
+prefetch ``plan``, in three engines run round by round side by side on the same conversations:
+
+* ``lists``: each tree call and plan gets the request's tokens as a plain list (converted
+  outside the timed region): what the engine passed before it carried a TokenSequence;
+* ``per_request``: the engine's own path with one TokenSequence per request
+  (``session_sequences=0``), whose pages are hashed once per request (timed, with its build);
+* ``sessions``: the engine's own path, each request continuing its session's last sequence
+  (the default), so a conversation's pages are hashed once (timed, with its build).
+
+Writes ``tree_engine.json`` and ``tree_engine.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -47,6 +61,9 @@ from typing import Any
 
 import torch
 
+from hicache_core.controller import ControllerConfig
+from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request
+from hicache_core.model import ModelConfig, ModeledCompute
 from hicache_core.radix_tree import RadixTree
 from hicache_core.token_sequence import TokenSequence
 
@@ -358,20 +375,178 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _fmt(column: str, value: float) -> str:
-    return f"{value:.1f}x" if column.endswith("_over_ours") else f"{value:.3f}"
+    return f"{value:.1f}x" if "_over_" in column else f"{value:.3f}"
+
+
+# --- the engine's own path ----------------------------------------------------------------------
+
+ENGINE_VARIANTS = ("lists", "per_request", "sessions")
+
+
+class _TreeCallTimer:
+    """Times an engine's tree calls and prefetch plans (and, optionally, its sequence builds).
+
+    ``as_lists`` hands the tree and the planner plain lists instead of the engine's TokenSequence
+    (converted before the clock starts), reproducing the engine before it carried sequences.
+    """
+
+    def __init__(self, engine: Engine, *, as_lists: bool) -> None:
+        self.seconds = 0.0
+        self.as_lists = as_lists
+        tree = engine.tree
+        for name in ("match_prefix", "insert", "insert_host"):
+            setattr(tree, name, self._timed(getattr(tree, name)))
+        prefetcher = engine.controller.prefetcher
+        if prefetcher is not None:
+            prefetcher.plan = self._timed(prefetcher.plan)  # type: ignore[method-assign]
+        if not as_lists:  # building the sequence is part of the new path's cost
+            build = engine._sequence_for
+
+            def timed_build(request: Request) -> TokenSequence:
+                started = time.perf_counter()
+                try:
+                    return build(request)
+                finally:
+                    self.seconds += time.perf_counter() - started
+
+            engine._sequence_for = timed_build  # type: ignore[method-assign]
+
+    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.as_lists:
+                args = tuple(a.tolist() if isinstance(a, TokenSequence) else a for a in args)
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+def _engine_for(variant: str, page_size: int, device_pages: int) -> Engine:
+    config = EngineConfig(
+        # A one-layer, one-KV-head model: KV copies stay small, the tree is what is measured.
+        model=ModelConfig(layers=1, q_heads=1, kv_heads=1, head_dim=8, vocab_size=VOCAB),
+        tiers=CacheTiers.L1_L2_L3,
+        page_size=page_size,
+        device_pages=device_pages,
+        storage_backend="memory",
+        storage_config={},
+        controller=ControllerConfig(),
+        max_running=16,
+        compute=ModeledCompute(prefill_tokens_per_s=1e15, decode_step_s=0.0),
+        session_sequences=0 if variant == "per_request" else 256,
+    )
+    return Engine(config)
+
+
+def bench_engine(
+    rounds: int = 100,
+    conversations: int = 16,
+    page_size: int = 16,
+    *,
+    input_tokens: int = INPUT_TOKENS,
+    output_tokens: int = 8,
+    bucket: int = 10,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Serve ``conversations`` x ``rounds`` turns through three engines (see the module docstring),
+    round by round side by side; returns mean tree milliseconds per request per bucket of rounds.
+
+    Every turn appends ``input_tokens`` to the conversation (prompts and outputs so far) and
+    generates ``output_tokens``. Device and host pools hold every conversation whole, so every
+    engine serves the same hits; outputs are checked equal across engines.
+    """
+    rng = random.Random(seed)
+    first = [[rng.randrange(VOCAB) for _ in range(FIRST_TOKENS)] for _ in range(conversations)]
+    turns = [[[rng.randrange(VOCAB) for _ in range(input_tokens)] for _ in range(conversations)] for _ in range(rounds)]
+    longest = FIRST_TOKENS + rounds * (input_tokens + output_tokens)
+    device_pages = conversations * (longest // page_size + 2) + 64
+    engines = {variant: _engine_for(variant, page_size, device_pages) for variant in ENGINE_VARIANTS}
+    timers = {variant: _TreeCallTimer(engine, as_lists=variant == "lists") for variant, engine in engines.items()}
+    histories = {variant: [list(tokens) for tokens in first] for variant in ENGINE_VARIANTS}
+    per_round: dict[str, list[float]] = {variant: [] for variant in ENGINE_VARIANTS}
+    try:
+        for r in range(rounds):
+            outputs: dict[str, list[list[int]]] = {}
+            for variant, engine in engines.items():
+                requests = [
+                    Request(f"c{c}-r{r}", histories[variant][c] + turns[r][c], output_tokens, session_id=f"c{c}")
+                    for c in range(conversations)
+                ]
+                timer = timers[variant]
+                timer.seconds = 0.0
+                results = engine.serve(requests)
+                per_round[variant].append(timer.seconds / conversations)
+                outputs[variant] = [res.output_ids for res in results]
+                histories[variant] = [req.tokens + res.output_ids for req, res in zip(requests, results)]
+            if len({json.dumps(o) for o in outputs.values()}) != 1:
+                raise AssertionError(f"round {r + 1}: the engines generated different tokens")
+            if progress and (r + 1) % bucket == 0:
+                progress(f"engine round {r + 1}/{rounds}")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    buckets = []
+    for start in range(0, rounds, bucket):
+        stop = min(start + bucket, rounds)
+        row: dict[str, Any] = {"rounds": f"{start + 1}-{stop}"}
+        for variant in ENGINE_VARIANTS:
+            row[f"{variant}_ms"] = _mean(per_round[variant][start:stop]) * 1e3
+        row["lists_over_sessions"] = row["lists_ms"] / row["sessions_ms"]
+        row["lists_over_per_request"] = row["lists_ms"] / row["per_request_ms"]
+        buckets.append(row)
+    return {
+        "trace": {
+            "conversations": conversations, "rounds": rounds, "first_tokens": FIRST_TOKENS, "input_tokens": input_tokens,
+            "output_tokens": output_tokens, "page_size": page_size, "seed": seed, "bucket_rounds": bucket,
+            "last_round_tokens": longest - output_tokens,
+        },
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__},
+        "buckets": buckets,
+        "growth_last_over_first_bucket": {v: buckets[-1][f"{v}_ms"] / buckets[0][f"{v}_ms"] for v in ENGINE_VARIANTS},
+    }
+
+
+def render_engine_markdown(report: dict[str, Any]) -> str:
+    trace = report["trace"]
+    columns = [k for k in report["buckets"][0] if k != "rounds"]
+    lines = [
+        f"Engine trace: {trace['conversations']} conversations x {trace['rounds']} rounds, page size {trace['page_size']}; "
+        f"{trace['first_tokens']} first tokens, +{trace['input_tokens']} input and {trace['output_tokens']} generated per round "
+        f"(prompt at the last round: {trace['last_round_tokens']} tokens). Mean milliseconds of tree calls and prefetch "
+        "plans per request.",
+        "",
+        "| rounds | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for row in report["buckets"]:
+        lines.append(f"| {row['rounds']} | " + " | ".join(_fmt(c, row[c]) for c in columns) + " |")
+    growth = report["growth_last_over_first_bucket"]
+    lines += ["", "Last bucket / first bucket: " + ", ".join(f"{v} {g:.2f}x" for v, g in growth.items()) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=None, help="default 200 (--engine: 100)")
     parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--bucket", type=int, default=25, help="rounds per reported bucket")
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=None, help="default 1 64 (--engine: 16)")
+    parser.add_argument("--bucket", type=int, default=None, help="rounds per reported bucket: default 25 (--engine: 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sglang", action="store_true", help="measure our tree only")
     parser.add_argument("--quick", action="store_true", help="a small trace (2 conversations x 8 rounds): proves the script runs")
     parser.add_argument("--out", type=Path, default=None, help="folder for tree.json and tree.md")
+    parser.add_argument(
+        "--engine", action="store_true",
+        help="measure the engine's own tree calls (lists vs TokenSequence; default 16 x 100 rounds, page size 16)",
+    )
     args = parser.parse_args(argv)
+    if args.engine:
+        return _main_engine(args)
+    args.rounds, args.page_sizes, args.bucket = args.rounds or 200, args.page_sizes or [1, 64], args.bucket or 25
     if args.quick:
         args.rounds, args.conversations, args.bucket = 8, 2, 4
     report = bench_tree(
@@ -384,6 +559,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tree.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / "tree.md").write_text(markdown)
+    return 0
+
+
+def _main_engine(args: argparse.Namespace) -> int:
+    rounds, bucket, conversations = args.rounds or 100, args.bucket or 10, args.conversations
+    page_size = args.page_sizes[0] if args.page_sizes else 16
+    if args.quick:
+        rounds, conversations, bucket = 4, 2, 2
+    report = bench_engine(
+        rounds, conversations, page_size, bucket=bucket, seed=args.seed,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    markdown = render_engine_markdown(report)
+    print(markdown)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tree_engine.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "tree_engine.md").write_text(markdown)
     return 0
 
 

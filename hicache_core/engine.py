@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchOp, PrefetchState
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.sessions import SessionTable, SessionTicket
+from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
 
@@ -81,6 +83,9 @@ class EngineConfig:
     compute: ModeledCompute | None = None
     device: str | None = None
     tp: TPContext | None = None
+    #: Sessions whose last token sequence (with its page hashes) is kept for their next request,
+    #: least recently finished dropped first; 0 keeps none (every request hashes its whole prompt).
+    session_sequences: int = 256
 
 
 @dataclass
@@ -121,6 +126,10 @@ class _Live:
     request: Request
     result: RequestResult
     submitted: float
+    #: The prompt, then each output token as it is generated: every tree call and prefetch plan
+    #: of the request reads this one sequence (or an O(1) prefix of it), so its page hashes are
+    #: computed once per page.
+    sequence: TokenSequence
     prefetch: PrefetchOp | None = None
     node: TreeNode | None = None
     prefix_slots: torch.Tensor | None = None
@@ -177,6 +186,8 @@ class Engine:
         self._running: list[_Live] = []
         self._prefilled: set[int] = set()
         self._done: dict[str, RequestResult] = {}
+        #: Session id -> the sequence its last finished request reached (see ``_sequence_for``).
+        self._session_sequences: OrderedDict[str, TokenSequence] = OrderedDict()
         if config.tiers.storage:
             if storage is None:
                 if config.storage_backend is None:
@@ -216,7 +227,7 @@ class Engine:
         """Queue ``request``: it is matched now and its storage prefetch issued (or planned)."""
         if request.max_new_tokens < 1 or len(request.tokens) < 1:
             raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
-        live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter())
+        live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
         if request.session_id is not None:
             live.session = self.sessions.ticket(request.session_id)
         if self.config.tiers is not CacheTiers.OFF:
@@ -226,6 +237,7 @@ class Engine:
     def close_session(self, session_id: str) -> bool:
         """End a session: its cached prefixes become ordinary LRU data (nothing is deleted), and
         its requests still running add no reference when they finish. Returns whether it was open."""
+        self._session_sequences.pop(session_id, None)
         return self.sessions.close(session_id)
 
     def take_results(self) -> list[RequestResult]:
@@ -281,21 +293,44 @@ class Engine:
 
     # --- scheduling ---------------------------------------------------------------------------
 
-    def _matchable(self, request: Request) -> list[int]:
+    def _sequence_for(self, request: Request) -> TokenSequence:
+        """The request's token sequence. A request continuing its session's last finished
+        sequence (the previous turn's prompt and outputs, then new tokens) shares its page hashes,
+        so a conversation's pages are hashed once, not once per turn."""
+        if request.session_id is not None:
+            previous = self._session_sequences.get(request.session_id)
+            if previous is not None:
+                continued = previous.continuation(request.tokens)
+                if continued is not None:
+                    return continued
+        return TokenSequence(self.config.page_size, request.tokens)
+
+    def _keep_session_sequence(self, live: _Live) -> None:
+        limit = self.config.session_sequences
+        session_id = live.request.session_id
+        if session_id is None or limit <= 0:
+            return
+        self._session_sequences[session_id] = live.sequence
+        self._session_sequences.move_to_end(session_id)
+        while len(self._session_sequences) > limit:
+            self._session_sequences.popitem(last=False)
+
+    def _matchable(self, live: _Live) -> TokenSequence:
         """The prompt minus its last token: that one is always computed, to produce logits."""
-        return list(request.tokens[:-1])
+        return live.sequence.prefix(len(live.request.tokens) - 1)
 
     def _plan_prefetch(self, live: _Live, *, pin_prefix: bool = False) -> None:
         """Match and plan the storage prefetch of the rest. ``pin_prefix`` (used when refetching
         after an eviction) locks the matched prefix until the prefetch is finished, so the fetched
         pages have something to hang from."""
         request = live.request
-        match = self.tree.match_prefix(self._matchable(request), count_host=not self.config.controller.buffer_only)
+        matchable = self._matchable(live)
+        match = self.tree.match_prefix(matchable, count_host=not self.config.controller.buffer_only)
         live.planned_match = match.matched_length
         prefetcher = self.controller.prefetcher
         if prefetcher is None:
             return
-        live.prefetch = prefetcher.plan(request.rid, self._matchable(request), match)
+        live.prefetch = prefetcher.plan(request.rid, matchable, match)
         if live.prefetch is not None and pin_prefix:
             live.pinned = match.host_node
             self.tree.lock(live.pinned)
@@ -347,7 +382,7 @@ class Engine:
     def _prefix_lost(self, live: _Live) -> bool:
         if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
             return False
-        match = self.tree.match_prefix(self._matchable(live.request), count_host=not self.config.controller.buffer_only)
+        match = self.tree.match_prefix(self._matchable(live), count_host=not self.config.controller.buffer_only)
         return match.matched_length < live.planned_match
 
     def _start(self, live: _Live) -> bool:
@@ -360,7 +395,7 @@ class Engine:
             live.prefix_slots = torch.empty(0, dtype=torch.int64)
         else:
             count_host = not self.config.controller.buffer_only or inserted > 0
-            match = self.tree.match_prefix(self._matchable(request), count_host=count_host)
+            match = self.tree.match_prefix(self._matchable(live), count_host=count_host)
             live.node, load = self.controller.load_back(match)
             device_hit = match.device_hit_length
             live.prefix_slots = self._path_slots(live.node)
@@ -419,7 +454,7 @@ class Engine:
             )
             last = logits[-1].cpu()
             live.logits.append(last)
-            live.result.output_ids.append(int(last.argmax()))
+            self._emit(live, int(last.argmax()))
             return
         compute = self.config.compute
         assert compute is not None
@@ -430,7 +465,12 @@ class Engine:
                     load.wait(layer)
                 time.sleep(per_layer)
         seed = (sum(tokens[-4:]) * 31 + length) % self.config.model.vocab_size
-        live.result.output_ids.append(seed)
+        self._emit(live, seed)
+
+    @staticmethod
+    def _emit(live: _Live, token: int) -> None:
+        live.result.output_ids.append(token)
+        live.sequence.append(token)
 
     def _finish(self, live: _Live) -> None:
         self._running.remove(live)
@@ -441,6 +481,7 @@ class Engine:
             self.device_pool.allocator.free(live.own_slots)
         else:
             self._cache(live)
+        self._keep_session_sequence(live)
         if live.logits:
             result.logits = torch.stack(live.logits)
         result.latency_s = time.perf_counter() - live.submitted
@@ -450,13 +491,12 @@ class Engine:
         """Insert the whole pages whose KV was computed; free the request's other slots."""
         assert live.own_slots is not None and live.node is not None
         ps = self.config.page_size
-        with_kv = list(live.request.tokens) + live.result.output_ids[:-1]
-        full = len(with_kv) // ps * ps
+        full = (len(live.sequence) - 1) // ps * ps  # the last output token has no KV yet
         prefix = live.prefix_len
         own = live.own_slots
         keep_until = max(full - prefix, 0)
         if full > prefix:
-            inserted = self.tree.insert(with_kv[:full], live.context(full))
+            inserted = self.tree.insert(live.sequence.prefix(full), live.context(full))
             duplicate = max(inserted.duplicate_length - prefix, 0)
             if duplicate:
                 self.device_pool.allocator.free(own[:duplicate])

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
 from hicache_core.storage_calls import guarded_call, leading_successes
+from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,15 @@ class PrefetchState(str, enum.Enum):
 
 @dataclass(eq=False)
 class PrefetchOp:
-    """One request's read of ``tokens[start:]`` from storage into host pages."""
+    """One request's read of ``tokens[start:]`` from storage into host pages.
+
+    ``tokens`` is what ``Prefetcher.plan`` was given, cut after the last page to read (a
+    :class:`~hicache_core.token_sequence.TokenSequence` stays one, so the tree insert at
+    ``finish`` reuses its page hashes); read on the scheduler thread only.
+    """
 
     request_id: str
-    tokens: list[int]
+    tokens: Sequence[int]
     start: int
     hashes: list[str]
     state: PrefetchState = PrefetchState.PLANNED
@@ -184,21 +190,34 @@ class Prefetcher:
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def plan(self, request_id: str, tokens: list[int], match: MatchResult) -> PrefetchOp | None:
-        """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold."""
+    def plan(self, request_id: str, tokens: Sequence[int], match: MatchResult) -> PrefetchOp | None:
+        """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold.
+
+        The keys continue the hash chain of the matched prefix (SGLang's). A
+        :class:`~hicache_core.token_sequence.TokenSequence` with the pool's page size (the
+        engine's) hands over the hashes it already holds; other sequences are hashed here.
+        """
         if self.storage is None:
             return None
+        ps = self.page_size
         start = match.matched_length
-        whole = (len(tokens) - start) // self.page_size
+        whole = (len(tokens) - start) // ps
         whole = min(whole, self.capacity)
-        if whole * self.page_size < max(self.config.threshold_tokens, 1):
+        if whole * ps < max(self.config.threshold_tokens, 1):
             return None
-        candidate = tokens[start : start + whole * self.page_size]
-        hashes = page_hashes(candidate, self.page_size, match.host_node.last_hash)
+        end = start + whole * ps
+        if isinstance(tokens, TokenSequence) and tokens.page_size == ps:
+            # The matched prefix ends at ``host_node``, whose last page hash is this sequence's
+            # page ``start // ps - 1``: the chain continues from the same digest either way.
+            hashes = tokens.page_hashes(end // ps)[start // ps :]
+            head: Sequence[int] = tokens.prefix(end)
+        else:
+            hashes = page_hashes(tokens[start:end], ps, match.host_node.last_hash)
+            head = list(tokens[:end])
         # The prefix is not pinned while the request waits: pinning it would hold device memory
         # for queued requests. If it is evicted meanwhile, insert_host finds the gap and the
         # prefetched pages are dropped (counted), never attached to the wrong place.
-        return PrefetchOp(request_id, list(tokens[: start + len(candidate)]), start, hashes)
+        return PrefetchOp(request_id, head, start, hashes)
 
     def try_issue(self, op: PrefetchOp) -> bool:
         """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
@@ -253,7 +272,7 @@ class Prefetcher:
             completed = self.tp.scheduler.all_min(op.completed_pages)
             used = completed * self.page_size
             if used:
-                result = self.tree.insert_host(op.tokens[: op.start + used], op.start, op.host_indices[:used])
+                result = self.tree.insert_host(_head(op.tokens, op.start + used), op.start, op.host_indices[:used])
                 if result is None:
                     self.metrics.add(prefetch_dropped_tokens=used)
                     self.host.allocator.free(op.host_indices[:used])
@@ -318,3 +337,8 @@ class Prefetcher:
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
             self.host.allocator.unpin_io(op.host_indices[pinned_from:])
+
+
+def _head(tokens: Sequence[int], length: int) -> Sequence[int]:
+    """The first ``length`` tokens; an O(1) view of a TokenSequence (which keeps its hashes)."""
+    return tokens.prefix(length) if isinstance(tokens, TokenSequence) else tokens[:length]

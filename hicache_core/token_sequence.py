@@ -111,6 +111,26 @@ class TokenSequence:
         store.hexes = old.hexes[:pages]
         self._store = store
 
+    def continuation(self, tokens: Iterable[int]) -> TokenSequence | None:
+        """``tokens`` as a sequence that reuses this one's page hashes, or None when ``tokens`` does
+        not start with this whole sequence (then nothing is shared).
+
+        For the next turn of a conversation: its prompt repeats the previous sequence, whose
+        hashes need not be computed again. The check is one C-level comparison of the tokens.
+        This sequence is unchanged (if it is not at the tip of its storage, the result gets its
+        own copy, as :meth:`extend` on a view does).
+        """
+        try:
+            new = array("I", tokens)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidKeyError("token ids must be integers with 0 <= id < 2**32") from exc
+        length = self._length
+        if len(new) < length or new[:length] != self._store.tokens[:length]:
+            return None
+        continued = self.prefix(length)
+        continued.extend(new[length:])
+        return continued
+
     def prefix(self, length: int) -> TokenSequence:
         """The first ``length`` tokens, sharing storage and hashes (O(1))."""
         if not 0 <= length <= self._length:
