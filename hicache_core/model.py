@@ -102,6 +102,33 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt(mean_square + 1e-5).unsqueeze(-1) * gain
 
 
+def weight_maker(gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> Callable[..., torch.Tensor]:
+    """``make(*shape)``: the next seeded random matrix from ``gen`` (drawn in float64 so every
+    dtype gets the same weights), scaled by the input dimension's square root."""
+
+    def make(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-2] ** 0.5).to(dtype).to(device)
+
+    return make
+
+
+class Rotary:
+    """Rotary position embedding, its cos/sin table computed once for ``max_positions``."""
+
+    def __init__(self, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.cos = angles.cos().to(dtype).to(device)
+        self.sin = angles.sin().to(dtype).to(device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` of shape ``(tokens, heads, head_dim)`` rotated by each token's position."""
+        half = x.shape[-1] // 2
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 class TinyDecoder:
     """Seeded random weights; ``forward`` computes new tokens' logits and writes their KV into the pool."""
 
@@ -110,10 +137,7 @@ class TinyDecoder:
         self.device = torch.device(device)
         c = config
         gen = torch.Generator().manual_seed(c.seed)
-
-        def weight(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-2] ** 0.5).to(c.dtype).to(self.device)
-
+        weight = weight_maker(gen, c.dtype, self.device)
         qd = c.q_heads * c.head_dim
         self.embed = (torch.randn(c.vocab_size, c.hidden, generator=gen, dtype=torch.float64)).to(c.dtype).to(self.device)
         self.layers = []
@@ -134,10 +158,7 @@ class TinyDecoder:
             self.layers.append(layer)
         self.final_norm = torch.ones(c.hidden, dtype=c.dtype, device=self.device)
         self.head = weight(c.hidden, c.vocab_size)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        angles = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.cos = angles.cos().to(c.dtype).to(self.device)
-        self.sin = angles.sin().to(c.dtype).to(self.device)
+        self.rope = Rotary(c.head_dim, c.max_positions, c.dtype, self.device)
 
     def forward(
         self,
@@ -161,15 +182,15 @@ class TinyDecoder:
             if wait_layer is not None:
                 wait_layer(index)
             x = rms_norm(h, layer["norm1"])
-            q = self._rope(linear(x, layer["wq"]).view(count, c.q_heads, c.head_dim), positions)
+            q = self.rope(linear(x, layer["wq"]).view(count, c.q_heads, c.head_dim), positions)
             if c.mla:
                 latent = linear(x, layer["wc"]).view(count, 1, c.latent_dim)
                 kv[0, index].index_copy_(0, new_slots, latent)
                 context = kv[0, index, context_slots].view(total, c.latent_dim)
-                keys = self._rope(linear(context, layer["wuk"]).view(total, c.q_heads, c.head_dim), key_positions)
+                keys = self.rope(linear(context, layer["wuk"]).view(total, c.q_heads, c.head_dim), key_positions)
                 values = linear(context, layer["wuv"]).view(total, c.q_heads, c.head_dim)
             else:
-                k_new = self._rope(linear(x, layer["wk"]).view(count, c.kv_heads, c.head_dim), positions)
+                k_new = self.rope(linear(x, layer["wk"]).view(count, c.kv_heads, c.head_dim), positions)
                 v_new = linear(x, layer["wv"]).view(count, c.kv_heads, c.head_dim)
                 kv[0, index].index_copy_(0, new_slots, k_new)
                 kv[1, index].index_copy_(0, new_slots, v_new)
@@ -181,12 +202,6 @@ class TinyDecoder:
             x = rms_norm(h, layer["norm2"])
             h = h + linear(torch.relu(linear(x, layer["w1"])), layer["w2"])
         return linear(rms_norm(h, self.final_norm), self.head)
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
     def _attention(
         self, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_positions: torch.Tensor

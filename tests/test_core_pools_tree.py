@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hicache_core.pools import DevicePool, HostMemoryError, HostPool, KVGeometry, PageAllocator, available_memory_bytes
-from hicache_core.radix_tree import RadixTree
 from hicache_storage.keys import page_hashes
+from tree_helpers import Frees, slots
 
 MHA = KVGeometry(layers=3, kv_heads=2, head_dim=4)
 MLA = KVGeometry(layers=3, kv_heads=1, head_dim=8, is_mla=True)
@@ -100,20 +100,6 @@ def test_host_pool_larger_than_ram_fails_with_a_clear_error():
 
 
 # --- radix tree ---------------------------------------------------------------------------------
-
-
-class Frees:
-    def __init__(self) -> None:
-        self.device: list[int] = []
-        self.host: list[int] = []
-
-    def tree(self, page_size: int = 2) -> RadixTree:
-        ticks = iter(range(10**6))
-        return RadixTree(page_size, self.device.extend, self.host.extend, clock=lambda: float(next(ticks)))
-
-
-def slots(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n, dtype=torch.int64)
 
 
 def test_insert_split_and_match_keep_page_hashes_right():

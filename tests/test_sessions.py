@@ -14,20 +14,7 @@ import torch
 
 from hicache_core import CacheTiers, Engine, EngineConfig, Request, SessionTable
 from hicache_core.radix_tree import RadixTree, TreeNode
-
-
-class Frees:
-    def __init__(self) -> None:
-        self.device: list[int] = []
-        self.host: list[int] = []
-
-    def tree(self, page_size: int = 2) -> RadixTree:
-        ticks = iter(range(10**6))
-        return RadixTree(page_size, self.device.extend, self.host.extend, clock=lambda: float(next(ticks)))
-
-
-def slots(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n, dtype=torch.int64)
+from tree_helpers import Frees, slots
 
 
 def node_of(tree: RadixTree, tokens: list[int]) -> TreeNode:

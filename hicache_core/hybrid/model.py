@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from hicache_core.model import ATTENTION_CHUNK_ELEMENTS, ModelConfig, fold_sum, linear, rms_norm, soft_exp
+from hicache_core.model import ATTENTION_CHUNK_ELEMENTS, ModelConfig, Rotary, fold_sum, linear, rms_norm, soft_exp, weight_maker
 from hicache_core.pools import KVGeometry
 
 FULL = "full"
@@ -170,9 +170,7 @@ class HybridDecoder:
         self.device = torch.device(device)
         c = config
         gen = torch.Generator().manual_seed(c.seed)
-
-        def weight(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-2] ** 0.5).to(c.dtype).to(self.device)
+        weight = weight_maker(gen, c.dtype, self.device)
 
         def ones(size: int) -> torch.Tensor:
             return torch.ones(size, dtype=c.dtype, device=self.device)
@@ -189,10 +187,7 @@ class HybridDecoder:
             self.layers.append(layer)
         self.final_norm = ones(c.hidden)
         self.head = weight(c.hidden, c.vocab_size)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        angles = torch.arange(c.max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.cos = angles.cos().to(c.dtype).to(self.device)
-        self.sin = angles.sin().to(c.dtype).to(self.device)
+        self.rope = Rotary(c.head_dim, c.max_positions, c.dtype, self.device)
 
     def new_state(self) -> torch.Tensor:
         """The recurrent state before the first token: zeros of ``config.state_shape``."""
@@ -248,8 +243,8 @@ class HybridDecoder:
                 layer_snapshots.append(states[snapshot_rows])
                 mixed = linear(states, layer["wy"])
             else:
-                q = self._rope(linear(x, layer["wq"]).view(count, c.q_heads, c.head_dim), positions)
-                k_new = self._rope(linear(x, layer["wk"]).view(count, c.kv_heads, c.head_dim), positions)
+                q = self.rope(linear(x, layer["wq"]).view(count, c.q_heads, c.head_dim), positions)
+                k_new = self.rope(linear(x, layer["wk"]).view(count, c.kv_heads, c.head_dim), positions)
                 v_new = linear(x, layer["wv"]).view(count, c.kv_heads, c.head_dim)
                 if kind == FULL:
                     keys, values = self._write_and_read(full_kv, pool_layer, full_slots, k_new, v_new)
@@ -324,12 +319,6 @@ class HybridDecoder:
             states[t] = current
         state.copy_(current)
         return states
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
     def _expand_groups(self, kv: torch.Tensor, dim: int) -> torch.Tensor:
         return kv.repeat_interleave(self.config.q_heads // self.config.kv_heads, dim=dim)
