@@ -392,6 +392,8 @@ class _TreeCallTimer:
 
     def __init__(self, engine: Engine, *, as_lists: bool) -> None:
         self.seconds = 0.0
+        #: Seconds per call kind (``match_prefix``, ``insert``, ``insert_host``, ``plan``, ``build``).
+        self.by_call: dict[str, float] = {}
         self.as_lists = as_lists
         tree = engine.tree
         for name in ("match_prefix", "insert", "insert_host"):
@@ -402,16 +404,15 @@ class _TreeCallTimer:
         if not as_lists:  # building the sequence is part of the new path's cost
             build = engine._sequence_for
 
-            def timed_build(request: Request) -> TokenSequence:
-                started = time.perf_counter()
-                try:
-                    return build(request)
-                finally:
-                    self.seconds += time.perf_counter() - started
+            engine._sequence_for = self._timed(engine._sequence_for, "build")  # type: ignore[method-assign]
 
-            engine._sequence_for = timed_build  # type: ignore[method-assign]
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.by_call = {}
 
-    def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, call: Callable[..., Any], kind: str | None = None) -> Callable[..., Any]:
+        kind = kind or call.__name__
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.as_lists:
                 args = tuple(a.tolist() if isinstance(a, TokenSequence) else a for a in args)
@@ -419,7 +420,9 @@ class _TreeCallTimer:
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - started
+                elapsed = time.perf_counter() - started
+                self.seconds += elapsed
+                self.by_call[kind] = self.by_call.get(kind, 0.0) + elapsed
 
         return timed
 
@@ -468,6 +471,9 @@ def bench_engine(
     timers = {variant: _TreeCallTimer(engine, as_lists=variant == "lists") for variant, engine in engines.items()}
     histories = {variant: [list(tokens) for tokens in first] for variant in ENGINE_VARIANTS}
     per_round: dict[str, list[float]] = {variant: [] for variant in ENGINE_VARIANTS}
+    # Per call kind in the first and the last bucket: {bucket: {variant: {kind: ms per request}}}.
+    edges = {0: f"1-{min(bucket, rounds)}", (rounds - 1) // bucket * bucket: f"{(rounds - 1) // bucket * bucket + 1}-{rounds}"}
+    by_call: dict[str, dict[str, dict[str, float]]] = {label: {v: {} for v in ENGINE_VARIANTS} for label in edges.values()}
     try:
         for r in range(rounds):
             outputs: dict[str, list[list[int]]] = {}
@@ -477,9 +483,14 @@ def bench_engine(
                     for c in range(conversations)
                 ]
                 timer = timers[variant]
-                timer.seconds = 0.0
+                timer.reset()
                 results = engine.serve(requests)
                 per_round[variant].append(timer.seconds / conversations)
+                start = r // bucket * bucket
+                if start in edges:
+                    calls, span = by_call[edges[start]][variant], min(start + bucket, rounds) - start
+                    for kind, seconds in timer.by_call.items():
+                        calls[kind] = calls.get(kind, 0.0) + seconds / conversations / span * 1e3
                 outputs[variant] = [res.output_ids for res in results]
                 histories[variant] = [req.tokens + res.output_ids for req, res in zip(requests, results)]
             if len({json.dumps(o) for o in outputs.values()}) != 1:
@@ -507,6 +518,8 @@ def bench_engine(
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__},
         "buckets": buckets,
         "growth_last_over_first_bucket": {v: buckets[-1][f"{v}_ms"] / buckets[0][f"{v}_ms"] for v in ENGINE_VARIANTS},
+        #: Mean milliseconds per request in the first and the last bucket, by call kind.
+        "by_call_ms": by_call,
     }
 
 
@@ -526,6 +539,10 @@ def render_engine_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {row['rounds']} | " + " | ".join(_fmt(c, row[c]) for c in columns) + " |")
     growth = report["growth_last_over_first_bucket"]
     lines += ["", "Last bucket / first bucket: " + ", ".join(f"{v} {g:.2f}x" for v, g in growth.items()) + "."]
+    for label, variants in report["by_call_ms"].items():
+        lines += ["", f"Rounds {label}, milliseconds per request by call:", ""]
+        for variant, calls in variants.items():
+            lines.append(f"- {variant}: " + ", ".join(f"{kind} {ms:.3f}" for kind, ms in sorted(calls.items())))
     return "\n".join(lines) + "\n"
 
 

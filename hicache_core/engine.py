@@ -6,6 +6,11 @@ decode greedily, insert the sequence into the tree (the write policy backs it up
 interleaved, at most ``max_running`` at a time; a request that is not ready (prefetch pending) is
 skipped, not waited for.
 
+Each request carries one :class:`~hicache_core.token_sequence.TokenSequence` (its prompt, then
+its outputs as they come): every tree call and prefetch plan of the request reads it, so a
+page is hashed once and tree lookups take the page-hash path. A request of a session continues
+the session's last sequence when its prompt starts with it (``EngineConfig.session_sequences``).
+
 Use::
 
     engine = Engine(EngineConfig(tiers=CacheTiers.L1_L2_L3, storage_backend="file",
