@@ -63,6 +63,8 @@ class SeaweedFS(ServerProcess):
     :meth:`freeze` / :meth:`thaw` (SIGSTOP / SIGCONT).
     """
 
+    slow_to_exit = True
+
     def __init__(
         self,
         workdir: Path | None = None,
@@ -72,7 +74,6 @@ class SeaweedFS(ServerProcess):
         region: str = "us-east-1",
         tls: bool = False,
     ) -> None:
-        self._owns_workdir = workdir is None
         super().__init__("seaweedfs", workdir)
         self.bucket = bucket
         self.access_key = access_key
@@ -145,16 +146,14 @@ class SeaweedFS(ServerProcess):
             raise
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``grace`` seconds (SeaweedFS takes ~16 s to exit cleanly);
-        removes the data directory if this object created it."""
+        """SIGTERM, then SIGKILL after ``grace`` seconds (SeaweedFS takes ~16 s to exit cleanly, so
+        the kill is routine: ``slow_to_exit``); the base class removes the data directory it made."""
         super().stop(grace)
         # SeaweedFS puts a unix socket per gRPC port in /tmp, named by port, and leaves it there.
         for service in ("master", "volume", "filer", "s3"):
             port = self.ports.get(f"{service}.port.grpc")
             if port is not None:
                 Path(f"/tmp/seaweedfs-{service}-grpc-{port}.sock").unlink(missing_ok=True)
-        if self._owns_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; the data directory stays for :meth:`restart`."""
