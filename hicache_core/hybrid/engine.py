@@ -14,12 +14,12 @@ boundary needs to the device:
 The request then snapshots the recurrent state where checkpoints will be useful: at the end of
 what the tree held already (a new branch point: the next request diverging there resumes from
 it), at the last whole page of its prompt (the same prompt sent again) and at the end of its
-own whole pages. Backups copy every pool: the write policy decides
-when a node's FULL KV goes to the host, and its components go with it; **backfill** backs up a
-component's state that appears later on a node already backed up (a branch checkpoint), alone.
-L3 holds one key per page per pool (:class:`~hicache_storage.multipool.MultiPoolStore`): "kv"
-(all pages; the draft KV rides in the same value), "swa" (trailing window pages) and "mamba"
-(the checkpoint at a cut, keyed by its last page).
+own whole pages. Backups copy every pool: the write policy decides when a node's FULL KV goes
+to the host, and its components go with it; **backfill** backs up a component's state that
+appears later on a node already backed up (a branch checkpoint), alone. L3 holds one key per
+page per pool (:class:`~hicache_storage.multipool.MultiPoolStore`): "kv" ("kv_draft" when the
+draft KV rides in the same value), "swa" (trailing window pages) and "mamba" (the checkpoint at
+a cut, keyed by its last page).
 
 Compared with :class:`hicache_core.engine.Engine` this engine is deliberately plain: requests
 run one after another, and tier copies and storage I/O run on the calling thread, synchronously.
