@@ -128,19 +128,25 @@ def test_selective_write_through_stores_what_was_hit_twice(uncached, tmp_path) -
     assert sum(r.cached_storage for r in results) > 0
 
 
-def test_two_instances_share_storage(uncached, tmp_path) -> None:
+BACKED_UP = [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK]  # write-back stores on eviction (here: a flush)
+
+
+@pytest.mark.parametrize("policy", BACKED_UP)
+def test_two_instances_share_storage(uncached, policy, tmp_path) -> None:
     histories: list[list[int]] = [[] for _ in CONVERSATIONS]
-    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as first:
+    with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy)) as first:
         results = serve_rounds(first, range(2), histories)
-        with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as second:
+        first.flush_cache()
+        with HybridEngine(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy)) as second:
             results += serve_rounds(second, range(2, 3), histories)
     assert_same_outputs(uncached, results)
     assert all(r.cached_storage > 0 for r in results[-len(CONVERSATIONS) :])
 
 
-def test_restart_restores_from_storage(uncached, tmp_path) -> None:
-    run(config(CacheTiers.L1_L2_L3, str(tmp_path)))
-    results = run(config(CacheTiers.L1_L2_L3, str(tmp_path)))
+@pytest.mark.parametrize("policy", BACKED_UP)
+def test_restart_restores_from_storage(uncached, policy, tmp_path) -> None:
+    run(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy), flush=policy is WritePolicy.WRITE_BACK)
+    results = run(config(CacheTiers.L1_L2_L3, str(tmp_path), write_policy=policy))
     assert_same_outputs(uncached, results)
     first_round = results[: len(CONVERSATIONS)]
     assert all(r.cached_storage == 24 for r in first_round), "each prompt's last whole page (24 of 31 tokens) is in L3"
