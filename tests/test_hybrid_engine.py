@@ -312,3 +312,30 @@ def test_a_request_larger_than_the_device_pools_is_refused_without_leaking() -> 
             engine.serve([Request("big", SHARED, NEW_TOKENS)])
         assert engine.full.device.allocator.free_pages == free
         engine.serve([Request("small", SHARED[:16], NEW_TOKENS)])  # the engine still serves
+
+
+def test_sessions_keep_their_prefixes_cached_under_pressure_better_than_lru() -> None:
+    """Three conversations interleaved with one-off prompts that push the pools: with session
+    ids the conversations' next rounds hit more than under plain LRU, with identical outputs."""
+    noise = make_conversations(9, 1, 48, MODEL.vocab_size, seed=13)
+
+    def workload(sessions: bool) -> list[HybridResult]:
+        cfg = config(CacheTiers.L1_L2, device_pages=24, host_pages=32, swa_device_pages=24, host_checkpoints=12)
+        histories: list[list[int]] = [[] for _ in CONVERSATIONS]
+        kept = []
+        with HybridEngine(cfg) as engine:
+            for r in range(3):
+                for c, turns in enumerate(CONVERSATIONS):
+                    request = Request(f"c{c}-r{r}", histories[c] + turns[r], NEW_TOKENS, session_id=f"s{c}" if sessions else None)
+                    (result,) = engine.serve([request])
+                    histories[c] = request.tokens + result.output_ids
+                    kept.append(result)
+                    engine.serve([Request(f"noise-{r}-{c}", noise[3 * r + c][0], NEW_TOKENS)])
+        return kept
+
+    lru, with_sessions = workload(False), workload(True)
+    assert [r.output_ids for r in lru] == [r.output_ids for r in with_sessions]
+    assert sum(r.cached_tokens for r in with_sessions) > sum(r.cached_tokens for r in lru), (
+        [r.cached_tokens for r in lru],
+        [r.cached_tokens for r in with_sessions],
+    )
