@@ -303,6 +303,8 @@ class Engine:
         sequence (the previous turn's prompt and outputs, then new tokens) shares its page hashes,
         so a conversation's pages are hashed once, not once per turn."""
         if request.session_id is not None:
+            if request.session_id not in self.sessions:  # closed (by the caller or the table's cap)
+                self._session_sequences.pop(request.session_id, None)
             previous = self._session_sequences.get(request.session_id)
             if previous is not None:
                 continued = previous.continuation(request.tokens)
@@ -311,10 +313,12 @@ class Engine:
         return TokenSequence(self.config.page_size, request.tokens)
 
     def _keep_session_sequence(self, live: _Live) -> None:
+        """Keep the finished request's sequence for its session's next turn, unless the session
+        was closed while the request ran (a closed session keeps nothing)."""
         limit = self.config.session_sequences
-        session_id = live.request.session_id
-        if session_id is None or limit <= 0:
+        if live.session is None or limit <= 0 or not self.sessions.is_current(live.session):
             return
+        session_id = live.session.session_id
         self._session_sequences[session_id] = live.sequence
         self._session_sequences.move_to_end(session_id)
         while len(self._session_sequences) > limit:

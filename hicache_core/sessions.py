@@ -92,17 +92,21 @@ class SessionTable:
             self._sessions.move_to_end(session_id)
         return SessionTicket(session_id, session.epoch)
 
+    def is_current(self, ticket: SessionTicket) -> bool:
+        """Whether the ticket's session is open and still in the epoch the ticket was taken in."""
+        session = self._sessions.get(ticket.session_id)
+        return session is not None and session.epoch == ticket.epoch
+
     def reference(self, ticket: SessionTicket, node: TreeNode) -> bool:
         """Reference ``node`` (the deepest node a finished request reached) from the ticket's session.
 
         Returns False, and changes nothing, when the session was closed (or closed and reopened)
         since the ticket was taken, or when ``node`` is the root or no longer in the tree.
         """
-        session = self._sessions.get(ticket.session_id)
-        if session is None or session.epoch != ticket.epoch or not self.tree.in_tree(node):
+        if not self.is_current(ticket) or not self.tree.in_tree(node):
             return False
         self._sessions.move_to_end(ticket.session_id)
-        nodes = session.nodes
+        nodes = self._sessions[ticket.session_id].nodes
         if node in nodes:
             nodes.move_to_end(node)
             return True

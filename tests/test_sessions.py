@@ -253,6 +253,16 @@ def test_an_engine_request_finishing_after_close_adds_no_reference():
         assert stale.end == 32 and stale.session_refs == 0
 
 
+def test_a_session_closed_while_its_request_runs_keeps_no_token_sequence():
+    with Engine(EngineConfig(tiers=CacheTiers.L1_L2, **SMALL)) as engine:
+        engine.submit(Request("stale", list(range(30)), 4, session_id="a"))
+        engine.step()
+        engine.close_session("a")
+        while engine.has_work():
+            engine.step()
+        assert "a" not in engine._session_sequences, "a closed session must not keep its conversation's hashes"
+
+
 def run_pressure_workload(sessions: bool) -> tuple[list[int], list[list[int]]]:
     """Three multi-turn conversations, each round followed by two one-off requests that push the
     device and host pools; returns each conversation's cached tokens per round after the first,
