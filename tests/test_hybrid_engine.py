@@ -339,3 +339,9 @@ def test_sessions_keep_their_prefixes_cached_under_pressure_better_than_lru() ->
         [r.cached_tokens for r in lru],
         [r.cached_tokens for r in with_sessions],
     )
+
+
+@pytest.mark.parametrize("field", ["device_pages", "host_pages", "swa_device_pages", "swa_host_pages", "device_checkpoints", "host_checkpoints"])
+def test_a_pool_sized_zero_is_refused_naming_the_field(field) -> None:
+    with pytest.raises(ValueError, match=f"HybridEngineConfig.{field} must be a positive int"):
+        HybridEngine(config(CacheTiers.L1_L2, **{field: 0}))

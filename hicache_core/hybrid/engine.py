@@ -92,6 +92,20 @@ class HybridResult(RequestResult):
     draft_ids: list[int] = field(default_factory=list)
 
 
+def _check_sizes(config: HybridEngineConfig) -> None:
+    """Every pool the tiers use needs room: a zero-sized one is a configuration mistake, named here."""
+    sizes = {"device_pages": config.device_pages, "device_checkpoints": config.device_checkpoints}
+    if config.swa_device_pages is not None:
+        sizes["swa_device_pages"] = config.swa_device_pages
+    if config.tiers.host:
+        sizes |= {"host_pages": config.host_pages, "host_checkpoints": config.host_checkpoints}
+        if config.swa_host_pages is not None:
+            sizes["swa_host_pages"] = config.swa_host_pages
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"HybridEngineConfig.{name} must be a positive int for tiers {config.tiers.value}, got {value!r}")
+
+
 class _KVTiers:
     """One KV-shaped pool on the device and (optionally) the host, with the copies between them."""
 
@@ -131,6 +145,7 @@ class HybridEngine:
     """Serves requests with a :class:`HybridDecoder` through the tiers ``config`` selects."""
 
     def __init__(self, config: HybridEngineConfig, storage: StorageBackend | None = None) -> None:
+        _check_sizes(config)
         self.config = config
         m, ps = config.model, config.page_size
         host = config.tiers.host
@@ -139,8 +154,8 @@ class HybridEngine:
         self.swa = _KVTiers(
             m.swa_geometry,
             config,
-            config.swa_device_pages or config.device_pages,
-            (config.swa_host_pages or config.host_pages) if host else None,
+            config.device_pages if config.swa_device_pages is None else config.swa_device_pages,
+            (config.host_pages if config.swa_host_pages is None else config.swa_host_pages) if host else None,
         )
         draft_config = m.draft_config()
         self.draft_model = TinyDecoder(draft_config, self.full.device.device) if config.draft else None
@@ -245,6 +260,13 @@ class HybridEngine:
         if ticket is not None and cached is not None:
             self.sessions.reference(ticket, cached)
         result.latency_s = time.perf_counter() - started
+        self.metrics.add(
+            prompt_tokens=result.prompt_tokens,
+            device_hit_tokens=result.cached_device,
+            host_hit_tokens=result.cached_host,
+            storage_hit_tokens=result.cached_storage,
+            computed_tokens=result.computed,
+        )
         return result
 
     def _resume(self, request: Request, result: HybridResult) -> tuple[TreeNode, int]:
@@ -277,13 +299,6 @@ class HybridEngine:
         result.cached_device = on_device.end
         result.cached_storage = max(0, node.end - max(local.end, on_device.end))
         result.cached_host = node.end - result.cached_device - result.cached_storage
-        self.metrics.add(
-            prompt_tokens=len(request.tokens),
-            device_hit_tokens=result.cached_device,
-            host_hit_tokens=result.cached_host,
-            storage_hit_tokens=result.cached_storage,
-            computed_tokens=len(request.tokens) - node.end,
-        )
         return node, match.matched_length
 
     def _materialize(self, node: TreeNode) -> bool:
