@@ -407,7 +407,7 @@ class Engine:
             match = self.tree.match_prefix(self._matchable(live), count_host=count_host)
             live.node, load = self.controller.load_back(match)
             device_hit = match.device_hit_length
-            live.prefix_slots = self._path_slots(live.node)
+            live.prefix_slots = self.tree.device_slots(live.node)
         need = len(request.tokens) + request.max_new_tokens - 1 - live.prefix_len
         live.own_slots = self.controller.alloc_device(need)
         if live.own_slots is None:
@@ -435,15 +435,6 @@ class Engine:
         result.ttft_s = time.perf_counter() - live.submitted
         self.controller.release_staged_loads()
         return True
-
-    def _path_slots(self, node: TreeNode) -> torch.Tensor:
-        parts = []
-        while node is not self.tree.root:
-            assert node.device_value is not None
-            parts.append(node.device_value)
-            node = node.parent  # type: ignore[assignment]
-        parts.reverse()
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def _decode(self, live: _Live) -> None:
         length = len(live.request.tokens) + len(live.result.output_ids)

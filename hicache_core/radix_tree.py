@@ -137,14 +137,7 @@ class MatchResult:
     @property
     def device_indices(self) -> torch.Tensor:
         if self._indices is None:
-            parts = []
-            node = self.device_node
-            while node is not self._root:
-                assert node.device_value is not None, f"{node} lost its device copy after the match"
-                parts.append(node.device_value)
-                node = node.parent  # type: ignore[assignment]
-            parts.reverse()
-            self._indices = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            self._indices = path_device_slots(self.device_node, self._root)
         return self._indices
 
     @property
@@ -496,6 +489,14 @@ class RadixTree:
             n.host_ref -= 1
             assert n.host_ref >= 0, n
 
+    def path(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from the root's child down to ``node`` (empty for the root)."""
+        return _path(node, self.root)
+
+    def device_slots(self, node: TreeNode) -> torch.Tensor:
+        """The device slots of the whole path to ``node``, in token order (every node on it must be on the device)."""
+        return path_device_slots(node, self.root)
+
     def _path_up(self, node: TreeNode) -> Iterator[TreeNode]:
         while node is not self.root and node is not None:
             yield node
@@ -745,6 +746,24 @@ class RadixTree:
     def _check_aligned(self, length: int) -> None:
         if length % self.page_size:
             raise ValueError(f"length {length} is not a whole number of {self.page_size}-token pages")
+
+
+def _path(node: TreeNode, root: TreeNode) -> list[TreeNode]:
+    path = []
+    while node is not root:
+        path.append(node)
+        node = node.parent  # type: ignore[assignment]
+    path.reverse()
+    return path
+
+
+def path_device_slots(node: TreeNode, root: TreeNode) -> torch.Tensor:
+    """The device slots of the path from ``root`` to ``node``, concatenated in token order."""
+    parts = []
+    for step in _path(node, root):
+        assert step.device_value is not None, f"{step} has no device copy (lost after a match, or never loaded)"
+        parts.append(step.device_value)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def _no_host(_: torch.Tensor) -> None:

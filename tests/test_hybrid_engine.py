@@ -18,7 +18,6 @@ from hicache_core.hybrid.engine import HybridEngine, HybridEngineConfig, HybridR
 from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
 from hicache_core.model import TinyDecoder
 from hicache_core.pools import HostPool
-from hicache_core.radix_tree import TreeNode
 from hicache_storage import create_backend, kernels, wrap
 from hicache_storage.keys import page_hashes
 
@@ -172,12 +171,7 @@ def audit(engine: HybridEngine) -> int:
     model, draft_model = HybridDecoder(MODEL), TinyDecoder(MODEL.draft_config())
     checked = 0
     for node in engine.tree.nodes():
-        path: list[TreeNode] = []
-        step = node
-        while step is not engine.tree.root:
-            path.append(step)
-            step = step.parent  # type: ignore[assignment]
-        tokens = torch.tensor([t for n in reversed(path) for t in n.key])
+        tokens = torch.tensor([t for n in engine.tree.path(node) for t in n.key])
         n, begin = node.end, node.end - len(node.key)
         slots = torch.arange(n)
         full = torch.zeros((2, MODEL.full_layers, n, MODEL.kv_heads, MODEL.head_dim))

@@ -303,7 +303,7 @@ class HybridEngine:
 
     def _materialize(self, node: TreeNode) -> bool:
         """Bring what resuming at ``node`` needs onto the device; False if device memory is short."""
-        missing = [n for n in self._path(node) if n.device_value is None]  # a tail: device copies are prefix-closed
+        missing = [n for n in self.tree.path(node) if n.device_value is None]  # a tail: device copies are prefix-closed
         if missing:
             tokens = sum(len(n.key) for n in missing)
             slots = self._alloc_full(tokens)
@@ -335,7 +335,7 @@ class HybridEngine:
         start = node.end
         total = len(request.tokens) + request.max_new_tokens - 1  # positions that get KV
         result.computed = len(request.tokens) - start
-        prefix = self._path_slots(node)
+        prefix = self.tree.device_slots(node)
         swa_prefix = self._window_slots(node)
         own = self._alloc_full(total - start)
         own_swa = self.window.alloc(total - start, device=True) if own is not None else None
@@ -404,13 +404,13 @@ class HybridEngine:
             self.full.device.allocator.free(own[full - start :])
         last = inserted.last_node
         self.tree.lock(last)  # nothing below may be evicted while the pools are filled in
-        unused_swa = self.window.insert(self._path(last), start, own_swa)
+        unused_swa = self.window.insert(self.tree.path(last), start, own_swa)
         if own_swa.numel() > full - start:
             unused_swa.append(own_swa[full - start :])
         if unused_swa:
             self.swa.device.allocator.free(torch.cat(unused_swa))
         self.checkpoints.insert(last, snapshots, self.states.device)
-        self._write(self._path(last))  # after the checkpoints' boundaries cut nodes
+        self._write(self.tree.path(last))  # after the checkpoints' boundaries cut nodes
         self.tree.unlock(last)
         return last
 
@@ -572,20 +572,6 @@ class HybridEngine:
             return pages
         assert self.draft.host is not None
         return [kv + draft for kv, draft in zip(pages, self.draft.host.segments_for(host_slots))]
-
-    def _path(self, node: TreeNode) -> list[TreeNode]:
-        """The nodes from the root's child down to ``node``."""
-        path = []
-        while node is not self.tree.root:
-            path.append(node)
-            node = node.parent  # type: ignore[assignment]
-        path.reverse()
-        return path
-
-    def _path_slots(self, node: TreeNode) -> torch.Tensor:
-        parts = [n.device_value for n in self._path(node)]
-        assert all(p is not None for p in parts), "the prefix was not brought to the device"
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
 
     def _window_slots(self, node: TreeNode) -> torch.Tensor:
         """Device SWA slots of positions ``[swa_first(node.end), node.end)``."""
