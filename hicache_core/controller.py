@@ -168,24 +168,20 @@ class CacheController:
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Whole pages for ``num_tokens`` device slots, evicting LRU nodes if needed; None if impossible."""
-        slots = self.device.allocator.alloc(num_tokens)
-        if slots is None:
-            missing = -(-num_tokens // self.page_size) - self.device.allocator.free_pages
-            backup = self._backup_on_evict if self.config.write_policy is WritePolicy.WRITE_BACK and self.host else None
-            freed = self.tree.evict_device(missing * self.page_size, backup)
-            self.metrics.add(device_evicted_tokens=freed)
-            slots = self.device.allocator.alloc(num_tokens)
-        return slots
+        backup = self._backup_on_evict if self.config.write_policy is WritePolicy.WRITE_BACK and self.host else None
+
+        def evict(tokens: int) -> None:
+            self.metrics.add(device_evicted_tokens=self.tree.evict_device(tokens, backup))
+
+        return self.device.allocator.alloc_evicting(num_tokens, evict)
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         assert self.host is not None
-        slots = self.host.allocator.alloc(num_tokens)
-        if slots is None:
-            missing = -(-num_tokens // self.page_size) - self.host.allocator.free_pages
-            freed = self.tree.evict_host(missing * self.page_size)
-            self.metrics.add(host_evicted_tokens=freed)
-            slots = self.host.allocator.alloc(num_tokens)
-        return slots
+
+        def evict(tokens: int) -> None:
+            self.metrics.add(host_evicted_tokens=self.tree.evict_host(tokens))
+
+        return self.host.allocator.alloc_evicting(num_tokens, evict)
 
     # --- writes: device -> host -> storage ----------------------------------------------------
 

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,16 @@ class PageAllocator:
             for page in pages:
                 self._allocated[page] = 1
         return self.slots_of(torch.tensor(pages, dtype=torch.int64))
+
+    def alloc_evicting(self, num_tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
+        """``alloc``; when too few pages are free, ``evict(tokens)`` the shortfall (whole pages of
+        tokens) and try once more. ``None`` if eviction could not free enough."""
+        slots = self.alloc(num_tokens)
+        if slots is None:
+            missing = -(-num_tokens // self.page_size) - self.free_pages
+            evict(missing * self.page_size)
+            slots = self.alloc(num_tokens)
+        return slots
 
     def free(self, slots: torch.Tensor) -> None:
         """Return the pages covering ``slots`` (whole pages, as ``alloc`` gave them)."""

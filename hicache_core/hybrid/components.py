@@ -113,11 +113,7 @@ class PooledComponent:
         """``count`` slots on a tier, evicting this component's least recently used state if needed."""
         allocator = self.device_allocator if device else self.host_allocator
         assert allocator is not None
-        slots = allocator.alloc(count)
-        if slots is None:
-            self.evict(count, device)
-            slots = allocator.alloc(count)
-        return slots
+        return allocator.alloc_evicting(count, lambda _: self.evict(count, device))
 
     def evict(self, count: int, device: bool) -> int:
         """Tombstone unlocked nodes' state on one tier until ``count`` slots are free: nodes no

@@ -546,23 +546,12 @@ class HybridEngine:
     # --- memory -------------------------------------------------------------------------------
 
     def _alloc_full(self, tokens: int) -> torch.Tensor | None:
-        allocator = self.full.device.allocator
-        slots = allocator.alloc(tokens)
-        if slots is None:
-            missing = -(-tokens // allocator.page_size) - allocator.free_pages
-            self.tree.evict_device(missing * allocator.page_size, self._backup_node if self._write_back else None)
-            slots = allocator.alloc(tokens)
-        return slots
+        backup = self._backup_node if self._write_back else None
+        return self.full.device.allocator.alloc_evicting(tokens, lambda n: self.tree.evict_device(n, backup))
 
     def _alloc_host_full(self, tokens: int) -> torch.Tensor | None:
         assert self.full.host is not None
-        allocator = self.full.host.allocator
-        slots = allocator.alloc(tokens)
-        if slots is None:
-            missing = -(-tokens // allocator.page_size) - allocator.free_pages
-            self.tree.evict_host(missing * allocator.page_size)
-            slots = allocator.alloc(tokens)
-        return slots
+        return self.full.host.allocator.alloc_evicting(tokens, self.tree.evict_host)
 
     def _kv_segments(self, host_slots: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per page: the FULL KV's segments, then the draft KV's (the sidecar rides with its source)."""
