@@ -506,7 +506,7 @@ class HybridEngine:
         node = self.tree.boundary(match.host_node, end)
         self.tree.lock(node)
         try:
-            window_start = max(0, cut - self.pool_specs[1].trailing_pages) * ps
+            window_start = max(0, cut - self.store.pools["swa"].trailing_pages) * ps
             self.tree.boundary(node, window_start)
             for n in self.window.window(node):
                 if n.end - len(n.key) < window_start or self.window.present(n, device=False):
