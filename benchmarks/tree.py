@@ -402,8 +402,6 @@ class _TreeCallTimer:
         if prefetcher is not None:
             prefetcher.plan = self._timed(prefetcher.plan)  # type: ignore[method-assign]
         if not as_lists:  # building the sequence is part of the new path's cost
-            build = engine._sequence_for
-
             engine._sequence_for = self._timed(engine._sequence_for, "build")  # type: ignore[method-assign]
 
     def reset(self) -> None:
@@ -570,12 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.conversations, args.page_sizes, bucket=args.bucket, seed=args.seed,
         sglang=not args.no_sglang, progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    markdown = render_markdown(report)
-    print(markdown)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tree.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "tree.md").write_text(markdown)
+    _publish(report, render_markdown(report), args.out, "tree")
     return 0
 
 
@@ -588,13 +581,17 @@ def _main_engine(args: argparse.Namespace) -> int:
         rounds, conversations, page_size, bucket=bucket, seed=args.seed,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    markdown = render_engine_markdown(report)
-    print(markdown)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tree_engine.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / "tree_engine.md").write_text(markdown)
+    _publish(report, render_engine_markdown(report), args.out, "tree_engine")
     return 0
+
+
+def _publish(report: dict, markdown: str, out: Path | None, stem: str) -> None:
+    """Print the Markdown; with ``--out``, write ``<stem>.json`` and ``<stem>.md`` there."""
+    print(markdown)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(markdown)
 
 
 if __name__ == "__main__":
