@@ -102,6 +102,11 @@ class Request:
     #: :mod:`hicache_core.sessions`) until ``Engine.close_session``.
     session_id: str | None = None
 
+    def check(self) -> None:
+        """Raise ``ValueError`` for a request no engine can serve."""
+        if self.max_new_tokens < 1 or len(self.tokens) < 1:
+            raise ValueError(f"request {self.rid!r} needs at least one prompt token and max_new_tokens >= 1")
+
 
 @dataclass
 class RequestResult:
@@ -230,8 +235,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue ``request``: it is matched now and its storage prefetch issued (or planned)."""
-        if request.max_new_tokens < 1 or len(request.tokens) < 1:
-            raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
+        request.check()
         live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
         if request.session_id is not None:
             live.session = self.sessions.ticket(request.session_id)

@@ -218,7 +218,9 @@ class HybridEngine:
         ]
 
     def serve(self, requests: Sequence[Request]) -> list[HybridResult]:
-        """Run ``requests`` one after another; their results in order."""
+        """Run ``requests`` one after another; their results in order (none runs if one is invalid)."""
+        for request in requests:
+            request.check()
         tickets = [self.sessions.ticket(r.session_id) if r.session_id is not None else None for r in requests]
         return [self._run(request, ticket) for request, ticket in zip(requests, tickets)]
 
@@ -248,8 +250,6 @@ class HybridEngine:
     # --- one request --------------------------------------------------------------------------
 
     def _run(self, request: Request, ticket: SessionTicket | None) -> HybridResult:
-        if request.max_new_tokens < 1 or len(request.tokens) < 1:
-            raise ValueError(f"request {request.rid!r} needs at least one prompt token and max_new_tokens >= 1")
         started = time.perf_counter()
         result = HybridResult(request.rid, len(request.tokens))
         node, branch = self._resume(request, result)
