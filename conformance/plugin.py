@@ -1,12 +1,17 @@
 """pytest plugin of the conformance suite, loaded through the ``pytest11`` entry point.
 
 Adds the options that pick the backend for ``pytest --pyargs hicache_storage.conformance``, and
-writes the report when ``--hicache-report`` is given.
+writes the report when ``--hicache-report`` is given. The options are checked once, before any
+clause runs: a bad config, wrapper spec or unusable store is one usage error, not the same error
+from every clause.
 """
 
 from __future__ import annotations
 
 import pytest
+
+from hicache_storage.conformance.preflight import check_options, one_line
+from hicache_storage.errors import StorageError
 
 pytest.register_assert_rewrite("hicache_storage.conformance.suite", "hicache_storage.conformance.stateful")
 
@@ -21,8 +26,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    backend = config.getoption("--hicache-backend", default=None)
+    if backend:
+        try:
+            check_options(backend, config.getoption("--hicache-config"), config.getoption("--hicache-wrappers"))
+        except StorageError as exc:
+            raise pytest.UsageError(f"hicache-storage conformance: {one_line(str(exc))}") from None
     stem = config.getoption("--hicache-report", default=None)
     if stem:
         from hicache_storage.conformance.report import ReportCollector
 
         config.pluginmanager.register(ReportCollector(config, stem), "hicache-conformance-report")
+

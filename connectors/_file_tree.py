@@ -143,7 +143,7 @@ def prepare_root(root: str) -> str:
     path = os.path.abspath(os.path.expanduser(root))
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file where a parent should be
         try:
             os.makedirs(path, mode=0o700)
             os.chmod(path, 0o700)
@@ -160,7 +160,7 @@ def prepare_root(root: str) -> str:
             backend="file",
         )
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"root {path!r} exists and is not a directory", field="root", backend="file")
+        raise ConfigError(f"root {path!r} exists and is not a directory; pass a directory, or a path to create one at", field="root", backend="file")
     return path
 
 

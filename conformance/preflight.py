@@ -1,0 +1,43 @@
+"""The conformance suite's options, checked once before any clause runs.
+
+Every clause opens the backend itself, so a bad config would otherwise fail every clause with the
+same error. Used by the pytest plugin and by ``hicache-storage conformance``. It imports no
+pytest: the command calls it before ``pytest.main`` without importing the plugin, whose import
+registers the suite for pytest's assertion rewriting and must happen inside pytest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache_storage.errors import StorageError
+
+
+def check_options(backend: str, config: Any, wrappers: Any) -> None:
+    """Open ``backend`` once with ``config`` inside ``wrappers``, then close it.
+
+    Raises what every clause would otherwise raise on its own: :class:`ConfigError` for malformed
+    JSON, a missing ``@file``, an unknown key, a wrong type or a bad wrapper spec; the backend's
+    own :class:`StorageError` for a store it cannot use (a root that is not a writable directory,
+    a server that does not answer). Anything else the backend raises while opening is reported
+    as a :class:`StorageError` naming the backend.
+    """
+    from hicache_storage.registry import resolve
+    from hicache_storage.wrappers import wrap
+
+    cls = resolve(backend)
+    try:
+        store = cls(config)
+    except StorageError:
+        raise
+    except Exception as exc:  # a connector's own bug or a client library's error: still one line
+        raise StorageError(f"cannot open the backend with this config: {type(exc).__name__}: {exc}", backend=backend) from exc
+    try:
+        store = wrap(store, wrappers)  # on a bad spec, nothing is wrapped and the bare store is closed
+    finally:
+        store.close()
+
+
+def one_line(message: str) -> str:
+    """``message`` with its line breaks and runs of spaces folded into single spaces."""
+    return " ".join(message.split())
