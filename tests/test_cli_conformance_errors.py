@@ -137,3 +137,19 @@ def test_good_input_still_runs_and_reports(tmp_path: Path) -> None:
     result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{tmp_path / "pages"}"}}', "-k", "roundtrip_segments")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (tmp_path / "report" / "file.json").exists()
+
+
+def test_pytest_plugin_reports_a_bad_config_once(tmp_path: Path) -> None:
+    """``pytest --pyargs hicache_storage.conformance`` checks the options once too: a usage error."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", os.devnull]
+        + ["--pyargs", "hicache_storage.conformance", "--hicache-backend", "file", "--hicache-config", '{"nvme": true}']
+        + ["--hicache-report", str(tmp_path / "report" / "file")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == int(pytest.ExitCode.USAGE_ERROR), result.stdout[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ERROR: hicache-storage conformance: unknown config key 'nvme'"), lines
+    assert not (tmp_path / "report").exists()
