@@ -1,20 +1,23 @@
-"""The other process in the cross-process clause: reads a page, writes one, reports both as JSON.
+"""The other process in the cross-process clauses: reads a page, writes one, reports both as JSON.
 
-Run as ``python -m hicache_storage.conformance.peer`` with a JSON request on stdin.
+Run as ``python -m hicache_storage.conformance.peer``. It reads one JSON request line on stdin,
+answers with one JSON line on stdout (the page it read, the page it wrote, both in hex) and
+then, if the request says ``stay``, keeps its backend open until it reads another line, so the
+caller can read the written page while this process still runs. It closes its backend and exits.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
+from hicache_storage.conformance.pages import page_for
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.registry import create_backend
 
 
 def main() -> int:
-    request = json.load(sys.stdin)
+    request = json.loads(sys.stdin.readline())
     fields = {k: v for k, v in request["namespace"].items() if k != "fingerprint"}
     scope = KeyScope(Namespace(**fields))
     store = create_backend(request["backend"], request["config"])
@@ -25,9 +28,14 @@ def main() -> int:
     with store:
         size = request["size"]
         [read] = store.get([scope.key(request["read"])], size)
-        written = os.urandom(size)
-        assert store.put([scope.key(request["write"])], [written]) == [True]
-    json.dump({"read": read.hex() if read is not None else None, "wrote": written.hex()}, sys.stdout)
+        key = scope.key(request["write"])
+        written = page_for(key, size)
+        assert store.put([key], [written]) == [True], "the peer's put failed"
+        answer = {"read": read.hex() if read is not None else None, "wrote": written.hex()}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+        if request.get("stay"):
+            sys.stdin.readline()
     return 0
 
 

@@ -13,7 +13,15 @@ import pytest
 from hicache_storage.conformance.preflight import check_options, one_line
 from hicache_storage.errors import StorageError
 
-pytest.register_assert_rewrite("hicache_storage.conformance.suite", "hicache_storage.conformance.stateful")
+pytest.register_assert_rewrite(
+    "hicache_storage.conformance.suite",
+    "hicache_storage.conformance.stateful",
+    "hicache_storage.conformance.clauses_bytes",
+    "hicache_storage.conformance.clauses_capabilities",
+    "hicache_storage.conformance.clauses_concurrency",
+    "hicache_storage.conformance.clauses_identity",
+    "hicache_storage.conformance.pages",
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

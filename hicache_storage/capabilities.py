@@ -34,15 +34,22 @@ class Capabilities:
     #: Pages survive closing the backend and creating a new one with the same config
     #: (and, for a server, a restart of the client process).
     persistent: bool = False
-    #: Another process with the same config sees this process's pages.
+    #: Another live process with the same config sees this process's pages (while both run).
     shared_across_processes: bool = False
+    #: Pages another process wrote stay readable after that process exits (no per-client
+    #: segment that leaves with its writer).
+    outlives_writer: bool = False
     #: Another host with the same config sees this host's pages.
     shared_across_hosts: bool = False
     #: The backend may drop pages on its own to stay under a capacity (LRU, TTL, server eviction).
     evicts: bool = False
+    #: Most bytes of pages this instance keeps (declare ``evicts`` too); ``None``: no bound the
+    #: suite can check. Beyond it the store drops least recently used pages, and within one
+    #: ``put`` the first pages count as the most recent, so a prefix keeps its head.
+    capacity_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_value_size"):
+        for name in ("max_batch", "max_value_size", "capacity_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{name} must be a positive integer or None, got {value!r}")

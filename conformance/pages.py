@@ -1,0 +1,107 @@
+"""Page contents that name their key, so every read can say whose bytes it got.
+
+A page the suite writes for ``(key, version)`` is a 32-byte header (a magic, the first 16 bytes
+of the SHA-256 of the rendered key, the version, the page size) followed by bytes drawn from a
+generator seeded with that header (a random block repeated at a prime period), the whole cut to the page size. A reader can then tell a
+whole page of its own key from another key's page, from a version never written, and from a
+torn mix of two versions: the body of one version never follows the header of another.
+
+Pages shorter than the header carry a prefix of it; :func:`check_page` then compares them with
+each candidate version in full.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+import struct
+from collections.abc import Iterable, Mapping
+
+from hicache_storage.keys import PageKey
+
+HEADER = struct.Struct("<4s16sQI")
+MAGIC = b"HCpg"
+#: Larger bodies repeat a random block of this many bytes: a prime, so a page whose chunks of
+#: any power-of-two size are swapped, dropped or shifted never matches.
+_BODY_PERIOD = 65521
+#: Pages up to this size are cached (the concurrent clauses read the same pages many times).
+_CACHED_PAGE_BYTES = 1 << 20
+
+
+def random_hash(rng: random.Random, digits: int = 64) -> str:
+    """A page hash of ``digits`` hex digits (PageKey allows 8 to 128)."""
+    return "%0*x" % (digits, rng.getrandbits(4 * digits))
+
+
+def key_digest(key: PageKey) -> bytes:
+    return hashlib.sha256(key.render().encode()).digest()[:16]
+
+
+def page_for(key: PageKey, size: int, version: int = 0) -> bytes:
+    """The page the suite writes for ``key`` at ``version``: ``size`` bytes that name both."""
+    digest = key_digest(key)
+    if size <= _CACHED_PAGE_BYTES:
+        return _cached_page(digest, version, size)
+    return _make_page(digest, version, size)
+
+
+def _make_page(digest: bytes, version: int, size: int) -> bytes:
+    header = HEADER.pack(MAGIC, digest, version, size & 0xFFFFFFFF)
+    body_size = max(0, size - HEADER.size)
+    block = random.Random(header).randbytes(min(body_size, _BODY_PERIOD))
+    body = block * (body_size // _BODY_PERIOD) + block[: body_size % _BODY_PERIOD] if block else b""
+    return (header + body)[:size]
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_page(digest: bytes, version: int, size: int) -> bytes:
+    return _make_page(digest, version, size)
+
+
+class PageMismatch(AssertionError):
+    """A read returned bytes that are not a whole page of the key asked for."""
+
+
+def check_page(
+    data: bytes | bytearray | memoryview,
+    key: PageKey,
+    versions: Iterable[int] = (0,),
+    known: Mapping[bytes, PageKey] | None = None,
+) -> int:
+    """The version of ``key`` that ``data`` holds whole; raises :class:`PageMismatch` otherwise.
+
+    ``versions`` are the versions a correct store may return at this point; ``known`` maps
+    :func:`key_digest` of the other keys in play to the keys, to name a foreign page.
+    """
+    data = bytes(data)
+    size = len(data)
+    allowed = set(versions)
+    if size < HEADER.size:
+        for version in allowed:
+            if data == page_for(key, size, version):
+                return version
+        raise PageMismatch(f"{size}-byte read of {_name(key)} holds none of versions {sorted(allowed)}")
+    magic, digest, version, stated = HEADER.unpack_from(data)
+    if magic != MAGIC or stated != size & 0xFFFFFFFF:
+        raise PageMismatch(f"read of {_name(key)} holds no page header: a torn, shifted or foreign value")
+    if digest != key_digest(key):
+        other = (known or {}).get(digest)
+        raise PageMismatch(f"read of {_name(key)} returned the page of {_name(other) if other else 'another key'}")
+    if data != page_for(key, size, version):
+        first = next(i for i, (a, b) in enumerate(zip(data, page_for(key, size, version))) if a != b)
+        raise PageMismatch(f"read of {_name(key)}: header of version {version}, other bytes from offset {first} (torn)")
+    if version not in allowed:
+        raise PageMismatch(f"read of {_name(key)} returned version {version}; a correct store returns one of {_span(allowed)}")
+    return version
+
+
+def _name(key: PageKey | None) -> str:
+    return "an unknown key" if key is None else f"page {key.page_hash[:16]}..{len(key.page_hash)} ({key.scope.prefix()})"
+
+
+def _span(versions: set[int]) -> str:
+    ordered = sorted(versions)
+    if len(ordered) > 3 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}..{ordered[-1]}"
+    return str(ordered)
