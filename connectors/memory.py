@@ -1,8 +1,10 @@
 """The reference connector: pages in a dict in this process.
 
 Thread-safe, atomic (values are immutable ``bytes`` swapped under a lock), with optional LRU
-eviction under a byte capacity. Instances given the same ``store`` name share one dict, which is
-how two engine instances in one process share an L3; without a name each instance is private.
+eviction under a byte capacity (declared as ``capacity_bytes``; within one put the first pages
+count as the most recent, so a prefix keeps its head). Instances given the same ``store`` name
+share one dict, which is how two engine instances in one process share an L3; without a name
+each instance is private.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class MemoryBackend(StorageBackend):
             with _SHARED_LOCK:
                 self._store = _SHARED.setdefault(self.config.store, _Store())
         if self.config.capacity_bytes is not None:
-            self.capabilities = self.capabilities.replace(evicts=True, max_value_size=self.config.capacity_bytes)
+            capacity = self.config.capacity_bytes
+            self.capabilities = self.capabilities.replace(evicts=True, max_value_size=capacity, capacity_bytes=capacity)
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         pages = self._store.pages
@@ -75,10 +78,12 @@ class MemoryBackend(StorageBackend):
         return results
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        values = [b"".join(source) for source in sources]
+        # The last write of a key in the batch wins; the batch goes in back to front, so its first
+        # pages are the most recently used and a prefix that overflows the capacity keeps its head.
+        latest = dict(zip(keys, (b"".join(source) for source in sources)))
         store = self._store
         with store.lock:
-            for key, value in zip(keys, values):
+            for key, value in reversed(latest.items()):
                 old = store.pages.pop(key, None)
                 if old is not None:
                     store.size -= len(old)
