@@ -5,6 +5,13 @@ reads refresh recency here, never on disk, so after a restart recency is by last
 index covers the pages this instance knows (found at start, written or read by it); several
 processes writing one capped root each enforce their own view.
 
+A put makes room before it writes (:meth:`LruPageIndex.admit`): the pages of one call are
+admitted head first while they fit in the capacity together, and only those are written, so a
+call larger than the capacity keeps the head of its prefix rather than its tail, and the pages
+on disk never exceed the capacity, not even while the call runs. Bytes admitted but not yet
+published are *reserved*: concurrent calls admit only what fits beside each other's
+reservations, so together they stay within the capacity too.
+
 Not thread-safe: the file backend calls every method under its lock, and holds that lock across
 a page's publication too, so a rename and its index entry change together.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Container
 
 from hicache_storage.connectors._file_tree import COMPONENT_RE, PAGE_DEPTH
 
@@ -22,6 +30,9 @@ logger = logging.getLogger("hicache_storage.connectors.file")
 
 #: The counters eviction increments, in the order ``stats()`` reports them.
 EVICTION_COUNTERS = ("evictions", "evicted_bytes", "evictions_failed", "evictions_vanished", "unremovable_bytes")
+
+#: Bytes one put call reserved, by the relative path of each admitted page not yet published.
+Reservation = dict[str, int]
 
 
 class LruPageIndex:
@@ -35,6 +46,8 @@ class LruPageIndex:
 
     def __init__(self, root: str, capacity: int, counters: dict[str, int]) -> None:
         self.capacity = capacity
+        #: Bytes admitted for writes not yet published (see :meth:`admit`).
+        self.reserved = 0
         self._root = root
         self._counters = counters
         self._pages, self.total_bytes = scan_pages(root)
@@ -42,27 +55,64 @@ class LruPageIndex:
     def __len__(self) -> int:
         return len(self._pages)
 
-    def touch(self, pages: list[tuple[str, int]], *, learn: bool) -> None:
-        """Make ``pages`` (relative path, size) the most recently used, the first of them most of all.
+    def touch(self, pages: list[tuple[str, int]]) -> None:
+        """Pages were read: make ``pages`` (relative path, size) the most recently used, the first
+        of them most of all.
 
         A prefix is useless without its head, so within one call the earlier pages are evicted
-        last. With ``learn``, a page missing from the index (another process wrote it) is added,
-        and pages beyond the capacity are then evicted.
+        last. A page missing from the index (another process wrote it) is added, and pages beyond
+        the capacity are then evicted.
         """
         for rel, size in reversed(pages):
             if rel in self._pages:
                 self._pages.move_to_end(rel)
-            elif learn:
+            else:
                 self._pages[rel] = size
                 self.total_bytes += size
-        if learn:
-            self.evict()
+        self.evict()
 
-    def record_write(self, rel: str, size: int) -> None:
-        """A page was just published at ``rel``: it is now the most recently used; evict beyond capacity."""
-        old = self._pages.pop(rel, None)
-        self.total_bytes += size - (old or 0)
+    def admit(self, pages: list[tuple[str, int]]) -> tuple[int, Reservation]:
+        """Make room for one put call's distinct ``pages`` (relative path, size), head of the prefix first.
+
+        Returns how many of them, from the first, fit together in the capacity left beside other
+        calls' reservations: the caller writes those and no others (writing the rest would only
+        evict the head). Those already stored become the most recently used, the first most of
+        all; then least recently used pages of other calls are evicted until the admitted bytes
+        fit beside what stays. Pass the reservation to :meth:`publish` for each page written and
+        to :meth:`settle` when the call is done.
+        """
+        room = self.capacity - self.reserved
+        count = fitted = 0
+        for _, size in pages:
+            if fitted + size > room:
+                break
+            fitted += size
+            count += 1
+        admitted = pages[:count]
+        for rel, _ in reversed(admitted):
+            if rel in self._pages:
+                self._pages.move_to_end(rel)
+        reservation = {rel: max(0, size - self._pages.get(rel, 0)) for rel, size in admitted}
+        self.reserved += sum(reservation.values())
+        self.evict(keep=reservation)
+        return count, reservation
+
+    def publish(self, rel: str, size: int, reservation: Reservation) -> None:
+        """An admitted page was just published at ``rel``: its reserved bytes are now stored bytes."""
+        old = self._pages.pop(rel, 0)
+        self.total_bytes += size - old
         self._pages[rel] = size
+        self.reserved -= reservation.pop(rel, 0)
+
+    def settle(self, reservation: Reservation, stored: list[str]) -> None:
+        """One put call is done: release what its unwritten pages reserved, make its ``stored``
+        pages (head first) the most recently used, the first most of all, and evict any excess
+        (left by a concurrent call, or by a page that grew while it was written)."""
+        self.reserved -= sum(reservation.values())
+        reservation.clear()
+        for rel in reversed(stored):
+            if rel in self._pages:
+                self._pages.move_to_end(rel)
         self.evict()
 
     def forget(self, rel: str) -> None:
@@ -74,10 +124,14 @@ class LruPageIndex:
         for rel in [rel for rel in self._pages if rel.startswith(prefix)]:
             self.total_bytes -= self._pages.pop(rel)
 
-    def evict(self) -> None:
-        """Remove least recently used page files until the pages known fit in ``capacity``."""
-        while self.total_bytes > self.capacity and self._pages:
-            rel, size = self._pages.popitem(last=False)
+    def evict(self, keep: Container[str] = ()) -> None:
+        """Remove least recently used page files until the pages known and the reserved bytes fit
+        in ``capacity``; stop at the first page in ``keep`` rather than remove it."""
+        while self.total_bytes + self.reserved > self.capacity and self._pages:
+            rel = next(iter(self._pages))
+            if rel in keep:
+                break
+            size = self._pages.pop(rel)
             self.total_bytes -= size
             try:
                 os.unlink(f"{self._root}/{rel}")

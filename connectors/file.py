@@ -29,15 +29,19 @@ Contracts:
   process that opens the same root; other hosts see them only if the root is a shared mount
   (``shared_mount``).
 * **Capacity.** With ``capacity_bytes``, an in-memory LRU index of the root (built at start by
-  scanning it, oldest modification time first) evicts least recently used pages after each
-  write until the bytes it knows of fit. Reads refresh recency in memory only, so after a
-  restart recency is by last write. Within one call the first pages count as the most recent
-  (a prefix is useless without its head, so its tail goes first). A page that cannot be
-  removed (permission denied, already gone) is skipped, counted (``evictions_failed`` /
-  ``evictions_vanished``) and dropped from the index, so eviction never wedges; its bytes then
-  stay on disk outside the budget. The budget covers the pages this instance knows: those
-  found at start, written by it, or read by it. Several processes writing one capped root each
-  enforce their own view.
+  scanning it, oldest modification time first) makes room before each put: it evicts least
+  recently used pages until the call's pages fit beside the bytes it knows of, so the pages on
+  disk stay within the capacity. Reads refresh recency in memory only, so after a restart recency
+  is by last write. Within one call the first pages count as the most recent (a prefix is useless
+  without its head, so its tail goes first); a call larger than the capacity stores its head, as
+  many pages as fit, and returns ``False`` for the rest without writing them
+  (``puts_beyond_capacity``). A page that cannot be removed (permission denied, already gone) is
+  skipped, counted (``evictions_failed`` / ``evictions_vanished``) and dropped from the index, so
+  eviction never wedges; its bytes then stay on disk outside the budget. The budget covers the
+  pages this instance knows: those found at start, written by it, or read by it. Several processes
+  writing one capped root each enforce their own view.
+* **Duplicate keys in one call.** Each distinct key is written once, with the bytes of its last
+  occurrence (the last write wins), and every occurrence gets that write's result.
 * **Full disk.** ``ENOSPC`` / ``EDQUOT`` while writing a page is that page's ``False`` (not
   stored) with one logged warning per call and a ``puts_no_space`` count: a full cache disk is a
   normal state for a cache, and the other pages of the batch keep their own results. Permission
@@ -78,7 +82,7 @@ from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
 from hicache_storage.connectors._file_direct import PageIO, probe_direct_io
-from hicache_storage.connectors._file_lru import EVICTION_COUNTERS, LruPageIndex
+from hicache_storage.connectors._file_lru import EVICTION_COUNTERS, LruPageIndex, Reservation
 from hicache_storage.connectors._file_temp import TMP_DIR, TempNames, prepare_tmp_dir, remove_stale_temp, unlink_quietly
 from hicache_storage.connectors._file_tree import (
     COMPONENT_RE,
@@ -111,6 +115,7 @@ _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 _COUNTERS = (
     *EVICTION_COUNTERS,
+    "puts_beyond_capacity",
     "puts_no_space",
     "puts_lost_to_clear",
     "direct_bounce_ios",
@@ -163,6 +168,7 @@ class FileBackend(StorageBackend):
         clear=True,
         persistent=True,
         shared_across_processes=True,
+        outlives_writer=True,
     )
 
     def __init__(self, config: FileConfig | dict[str, Any] | str | None = None) -> None:
@@ -183,7 +189,9 @@ class FileBackend(StorageBackend):
             self._index = LruPageIndex(self._root, self.config.capacity_bytes, self._counters)
             with self._lock:
                 self._index.evict()
-            capabilities = capabilities.replace(evicts=True, max_value_size=self.config.capacity_bytes)
+            capabilities = capabilities.replace(
+                evicts=True, max_value_size=self.config.capacity_bytes, capacity_bytes=self.config.capacity_bytes
+            )
         if self.config.shared_mount:
             capabilities = capabilities.replace(shared_across_hosts=True)
         self.capabilities = capabilities
@@ -205,14 +213,33 @@ class FileBackend(StorageBackend):
         located = [locate(key) for key in keys]
         results = self._parallel(self._read_one, [(key, *loc, t) for key, loc, t in zip(keys, located, targets)])
         hits = [(rel, segments_size(target)) for (_, rel), target, hit in zip(located, targets, results) if hit]
-        self._mark_used(hits, learn=True)
+        self._mark_read(hits)
         return results
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
         located = [locate(key) for key in keys]
-        outcomes = self._parallel(self._write_one, [(key, *loc, s) for key, loc, s in zip(keys, located, sources)])
-        results = [outcome == STORED for outcome in outcomes]
-        self._mark_used([(rel, 0) for (_, rel), stored in zip(located, results) if stored], learn=False)
+        # One write per distinct page, in the order of first occurrence (the head of the prefix
+        # first), with the bytes of its last occurrence (the last write wins).
+        last: dict[str, int] = {}
+        for i, (_, rel) in enumerate(located):
+            last[rel] = i
+        writes = list(last.items())
+        reservation: Reservation | None = None
+        if self._index is not None:
+            with self._lock:
+                admitted, reservation = self._index.admit([(rel, segments_size(sources[i])) for rel, i in writes])
+                self._counters["puts_beyond_capacity"] += len(writes) - admitted
+            writes = writes[:admitted]
+        stored: list[str] = []
+        try:
+            outcomes = self._parallel(
+                self._write_one, [(keys[i], located[i][0], rel, sources[i], reservation) for rel, i in writes]
+            )
+            stored = [rel for (rel, _), outcome in zip(writes, outcomes) if outcome == STORED]
+        finally:
+            if reservation is not None:
+                with self._lock:
+                    self._index.settle(reservation, stored)
         refused = outcomes.count(NO_SPACE)
         if refused:
             logger.warning(
@@ -222,7 +249,8 @@ class FileBackend(StorageBackend):
                 len(keys),
                 self._root,
             )
-        return results
+        published = set(stored)
+        return [rel in published for _, rel in located]
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
         located = [locate(key) for key in keys]
@@ -313,7 +341,7 @@ class FileBackend(StorageBackend):
             os.close(fd)
         return hit
 
-    def _write_one(self, key: PageKey, rel_dir: str, rel: str, source: Segments) -> str:
+    def _write_one(self, key: PageKey, rel_dir: str, rel: str, source: Segments, reservation: Reservation | None) -> str:
         """``STORED`` once published, ``NO_SPACE`` on a full disk, ``CLEARED`` when a concurrent
         ``clear()`` kept removing the page's directories. Other failures raise."""
         size = segments_size(source)
@@ -328,7 +356,7 @@ class FileBackend(StorageBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            self._publish(temp, rel_dir, rel, size)
+            self._publish(temp, rel_dir, rel, size, reservation)
         except OSError as exc:
             unlink_quietly(temp)
             if exc.errno in _NO_SPACE:
@@ -346,7 +374,7 @@ class FileBackend(StorageBackend):
             raise
         return STORED
 
-    def _publish(self, temp: str, rel_dir: str, rel: str, size: int) -> None:
+    def _publish(self, temp: str, rel_dir: str, rel: str, size: int, reservation: Reservation | None) -> None:
         with self._index_guard():
             for attempt in range(3):
                 try:
@@ -361,8 +389,8 @@ class FileBackend(StorageBackend):
                         raise DirectoriesVanished(rel_dir) from None
                     self._dirs.forget(rel_dir)
                     self._dirs.verify(rel_dir, create=True)
-            if self._index is not None:
-                self._index.record_write(rel, size)
+            if self._index is not None and reservation is not None:
+                self._index.publish(rel, size, reservation)
         if self.config.fsync:
             fsync_dir(f"{self._root}/{rel_dir}")
 
@@ -403,12 +431,12 @@ class FileBackend(StorageBackend):
         """The index lock when there is an index; publication needs no lock otherwise."""
         return self._lock if self._index is not None else contextlib.nullcontext()
 
-    def _mark_used(self, pages: list[tuple[str, int]], *, learn: bool) -> None:
-        """Refresh the recency of ``pages`` (see :meth:`LruPageIndex.touch`) when there is an index."""
+    def _mark_read(self, pages: list[tuple[str, int]]) -> None:
+        """Refresh the recency of pages just read (see :meth:`LruPageIndex.touch`) when there is an index."""
         if self._index is None or not pages:
             return
         with self._lock:
-            self._index.touch(pages, learn=learn)
+            self._index.touch(pages)
 
     def _forget(self, rel: str) -> None:
         if self._index is not None:

@@ -221,11 +221,11 @@ def test_another_process_reads_what_we_wrote(opened, root: Path) -> None:
 
 def test_capabilities_follow_the_config(opened) -> None:
     plain = opened().capabilities
-    assert plain.persistent and plain.shared_across_processes and not plain.shared_across_hosts
-    assert not plain.evicts and plain.max_value_size is None
+    assert plain.persistent and plain.shared_across_processes and plain.outlives_writer and not plain.shared_across_hosts
+    assert not plain.evicts and plain.max_value_size is None and plain.capacity_bytes is None
     assert plain.zero_copy_read and plain.zero_copy_write and plain.delete and plain.clear
     capped = opened(capacity_bytes=10_000, shared_mount=True).capabilities
-    assert capped.evicts and capped.max_value_size == 10_000 and capped.shared_across_hosts
+    assert capped.evicts and capped.max_value_size == capped.capacity_bytes == 10_000 and capped.shared_across_hosts
     assert FileBackend.capabilities.evicts is False, "an instance must not change the class declaration"
 
 
@@ -268,6 +268,67 @@ def test_within_a_call_the_prefix_tail_is_evicted_first(opened) -> None:
     store.put([key(5)], [b"q" * 1000])
     store.put([key(6)], [b"q" * 1000])
     assert store.exists([key(i) for i in range(7)]) == [False, True, True, False, False, True, True]
+
+
+def test_a_call_larger_than_the_capacity_keeps_the_head(opened, root: Path) -> None:
+    """64 pages into a 32-page capacity: the first 32 are stored, the tail is refused unwritten."""
+    store = opened(capacity_bytes=32 * 1000)
+    older = [key(1000 + i) for i in range(8)]
+    assert store.put(older, [b"o" * 1000] * 8) == [True] * 8
+    keys = [key(i) for i in range(64)]
+    values = [bytes([i]) * 1000 for i in range(64)]
+    assert store.put(keys, values) == [True] * 32 + [False] * 32
+    assert store.prefix_exists(keys) == 32
+    assert store.get(keys[:32], 1000) == values[:32]
+    assert store.exists(older) == [False] * 8  # least recently used, so evicted to make room
+    assert sum(page_files(root).values()) == 32 * 1000
+    stats = store.stats()
+    assert (stats["puts_beyond_capacity"], stats["stored_bytes"], stats["evictions"]) == (32, 32 * 1000, 8)
+
+
+def test_the_head_of_a_full_call_outlives_later_calls(opened) -> None:
+    store = opened(capacity_bytes=32 * 1000)
+    prompt = [key(i) for i in range(48)]
+    store.put(prompt, [b"p" * 1000] * 48)
+    store.put([key(100 + i) for i in range(8)], [b"q" * 1000] * 8)
+    assert store.prefix_exists(prompt) == 24  # the later call evicted the stored prefix's tail
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pages_on_disk_never_exceed_the_capacity(opened, root: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Measured at every publication (each os.replace of a page), not only after the calls."""
+    capacity = 12 * 1000
+    store = opened(capacity_bytes=capacity, io_threads=2)
+    peaks: list[int] = []
+    real_replace = os.replace
+
+    def replace(source: str, target: str, *args: object, **kwargs: object) -> None:
+        real_replace(source, target, *args, **kwargs)
+        if "/.tmp/" not in str(target):
+            peaks.append(sum(page_files(root).values()))
+
+    monkeypatch.setattr(os, "replace", replace)
+
+    def writer(worker: int) -> None:
+        for call in range(6):
+            keys = [key(10_000 * worker + 100 * call + i) for i in range(5 + 3 * call)]
+            store.put(keys, [b"c" * 1000] * len(keys))
+
+    pool = [threading.Thread(target=writer, args=(w,)) for w in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    assert peaks and max(peaks) <= capacity
+    assert store.stats()["stored_bytes"] == sum(page_files(root).values()) <= capacity
+
+
+@pytest.mark.parametrize("capacity", [None, 10 * 1000])
+def test_duplicate_keys_in_one_call_the_last_write_wins(opened, capacity: int | None) -> None:
+    store = opened(capacity_bytes=capacity)
+    keys = [key(0), key(1), key(0), key(2), key(0)]
+    assert store.put(keys, [b"a" * 1000, b"b" * 1000, b"c" * 1000, b"d" * 1000, b"e" * 1000]) == [True] * 5
+    assert store.get([key(0), key(1), key(2)], 1000) == [b"e" * 1000, b"b" * 1000, b"d" * 1000]
 
 
 def test_startup_index_is_ordered_by_mtime(opened, root: Path) -> None:
