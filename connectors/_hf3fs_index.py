@@ -91,13 +91,17 @@ class LocalSlotIndex:
         return taken
 
     def publish(self, pages: list[tuple[str, Location]]) -> None:
-        """Point each name at its freshly written slot, in order; a replaced slot is freed."""
+        """Point each name at its freshly written slot, in order (the last of a repeated name
+        wins); a replaced slot is freed. The pages become the most recently used, the first most
+        of all: a prefix is useless without its head, so a later eviction takes its tail first."""
         with self._lock:
             for name, location in pages:
                 old = self._pages.pop(name, None)
                 self._pages[name] = location
                 if old is not None and old.slot != location.slot:
                     self._free.append(old.slot)
+            for name, _ in reversed(pages):
+                self._pages.move_to_end(name)
 
     def release(self, slots: list[int]) -> None:
         """Give back reserved slots that were never published (their write failed)."""

@@ -125,11 +125,16 @@ class RedisSlotIndex:
         return [(int(slot), int(generation)) for slot, generation in taken]
 
     def publish(self, pages: list[tuple[str, Location]]) -> None:
-        """One pipelined round trip; each page's script is atomic, and they run in order."""
+        """One pipelined round trip; each page's script is atomic, and they run in order.
+
+        Each later page of the call gets an LRU score one microsecond older, so the first pages
+        count as the most recent and a later eviction takes a prefix's tail first.
+        """
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
-        for name, location in pages:
-            self._publish(keys=[self._key(name)], args=[location.encode(), now, name, self.prefix], client=pipe)
+        for position, (name, location) in enumerate(pages):
+            score = now - position * 1e-6
+            self._publish(keys=[self._key(name)], args=[location.encode(), score, name, self.prefix], client=pipe)
         pipe.execute()
 
     def release(self, slots: list[int]) -> None:

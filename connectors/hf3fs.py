@@ -124,7 +124,9 @@ class HF3FSBackend(StorageBackend):
         else:
             prefix = cfg.metadata_prefix or f"hicache:hf3fs:{hashlib.sha256(str(self._root).encode()).hexdigest()[:16]}:"
             self._index = self._guard(lambda: RedisSlotIndex(cfg.metadata_url.get_secret_value(), prefix, cfg.rank, 0), "connect")
-            self.capabilities = self.capabilities.replace(persistent=True, shared_across_processes=True, shared_across_hosts=True)
+            self.capabilities = self.capabilities.replace(
+                persistent=True, shared_across_processes=True, outlives_writer=True, shared_across_hosts=True
+            )
         try:
             self._open_files(use_usrbio)
         except BaseException:

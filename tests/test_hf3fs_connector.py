@@ -96,6 +96,25 @@ def test_full_store_reuses_the_least_recently_used_slots(tmp_path: Path, index_c
         assert [f.stat().st_size for f in files] == [4 * SLOT], "the data file must stay pre-sized, never grow"
 
 
+def test_a_later_call_evicts_the_tail_of_a_stored_prefix_first(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    """Within one call the first pages count as the most recent: a prefix keeps its head."""
+    with small_store(tmp_path / "mount", index_config, slots=8) as store:
+        prompt = scope.keys(hashes(8, 3))
+        assert store.put(prompt, [page(i) for i in range(8)]) == [True] * 8
+        later = scope.keys(hashes(2, 4))
+        assert store.put(later, [page(20), page(21)]) == [True] * 2
+        assert store.exists(prompt) == [True] * 6 + [False] * 2
+        assert store.prefix_exists(prompt) == 6
+
+
+def test_a_call_larger_than_the_store_keeps_its_head(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    with small_store(tmp_path / "mount", index_config, slots=8) as store:
+        prompt = scope.keys(hashes(12, 5))
+        assert store.put(prompt, [page(i) for i in range(12)]) == [True] * 8 + [False] * 4
+        assert store.prefix_exists(prompt) == 8
+        assert store.get(prompt[:8], SLOT) == [page(i) for i in range(8)]
+
+
 def test_overwrite_takes_a_new_slot_and_frees_the_old(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
     with small_store(tmp_path / "mount", index_config, slots=2) as store:
         a, b = scope.keys(hashes(2, 2))
