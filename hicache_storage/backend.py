@@ -137,7 +137,13 @@ class StorageBackend(ABC):
         return results
 
     def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
-        """Store each page from the caller's buffer(s); ``True`` where it is now stored."""
+        """Store each page from the caller's buffer(s); ``True`` where it is now stored.
+
+        A key named more than once in one batch gets a result at each position, and the **last
+        write wins**: afterwards the key holds the value of its last position (as in SGLang and in
+        every KV store), also when the SDK splits the batch to ``max_batch``. The caller may reuse
+        its buffers as soon as this returns: a stored page never follows later changes to them.
+        """
         keys = self._prepare_keys(keys, "put")
         views = self._prepare_buffers(keys, sources, "put", writable=False)
         limit = self.capabilities.max_value_size
