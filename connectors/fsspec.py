@@ -97,13 +97,13 @@ class FsspecBackend(StorageBackend):
         options = dict(cfg.storage_options)
         if protocols & _LOCAL:
             self._kind = "local"
-            self.capabilities = self.capabilities.replace(persistent=True, shared_across_processes=True)
+            self.capabilities = self.capabilities.replace(persistent=True, shared_across_processes=True, outlives_writer=True)
         elif protocols & _MEMORY:
             self._kind = "memory"
         elif protocols & _OBJECT_STORES:
             self._kind = "object"
             self.capabilities = self.capabilities.replace(
-                persistent=True, shared_across_processes=True, shared_across_hosts=True
+                persistent=True, shared_across_processes=True, outlives_writer=True, shared_across_hosts=True
             )
             # A cached listing would hide pages other processes wrote since.
             options.setdefault("use_listings_cache", False)

@@ -78,6 +78,7 @@ class RedisBackend(StorageBackend):
         ttl=True,
         persistent=True,
         shared_across_processes=True,
+        outlives_writer=True,
         shared_across_hosts=True,
     )
 

@@ -120,6 +120,7 @@ class S3Backend(StorageBackend):
         clear=True,
         persistent=True,
         shared_across_processes=True,
+        outlives_writer=True,
         shared_across_hosts=True,
     )
 
