@@ -42,7 +42,7 @@ from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
 from hicache_core.storage_calls import guarded_call, leading_successes
 from hicache_core.tp import TPContext
-from hicache_core.transfer import LayerLoad, Transfers
+from hicache_core.transfer import CopyDone, LayerLoad, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class _BackupOp:
 @dataclass(eq=False)
 class _PendingWrite:
     node: TreeNode
-    event: torch.cuda.Event | None
+    done: CopyDone | torch.cuda.Event
+    #: Whether the node was locked for the copy (an asynchronous one); a waited-for copy is not.
+    locked: bool
 
 
 class CacheController:
@@ -109,6 +111,7 @@ class CacheController:
         self._backups_outstanding = 0
         self._backup_thread: threading.Thread | None = None
         self._staged_loads: list[tuple[LayerLoad, list[TreeNode]]] = []
+        self._warned_host_too_small = False
         self.prefetcher = (
             Prefetcher(config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages)
             if host is not None
@@ -197,8 +200,18 @@ class CacheController:
 
     def write_to_host(self, node: TreeNode, *, wait: bool = False) -> bool:
         """Copy ``node``'s device KV to new host pages; storage backup follows when the copy completes."""
-        assert self.transfers is not None and node.device_value is not None
-        started = time.perf_counter()
+        assert self.transfers is not None and self.host is not None and node.device_value is not None
+        capacity = self.host.allocator.num_pages * self.page_size
+        if 0 < capacity < len(node.key):
+            # The node can never fit: back up its head, which is what a later prefix match uses.
+            if not self._warned_host_too_small:
+                self._warned_host_too_small = True
+                log.warning(
+                    "a %d-token node is larger than the whole host pool (%d tokens): only its first %d tokens "
+                    "are backed up to host and storage; raise the host pool size to back up whole prompts",
+                    len(node.key), capacity, capacity,
+                )
+            node = self.tree.boundary(node, node.end - len(node.key) + capacity)
         host_slots = self.alloc_host(len(node.key))
         if host_slots is None and self.config.buffer_only and self.io_pending:
             # Staging is full of pages on their way to storage: wait for them rather than skip the backup.
@@ -206,35 +219,46 @@ class CacheController:
             host_slots = self.alloc_host(len(node.key))
         if host_slots is None:
             return False
-        event = self.transfers.backup(node.device_value, host_slots)
+        done = self.transfers.backup(node.device_value, host_slots)
         node.host_value = host_slots
         self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
-        if event is not None and wait:
-            event.synchronize()
-            event = None
-        if event is None and not self._pending_writes:
-            self._queue_storage_backup(node)  # the copy is complete (CPU, or synchronized)
-        else:
+        if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
-            self._pending_writes.append(_PendingWrite(node, event))
-        self.metrics.add(host_backup_seconds=time.perf_counter() - started)
+            self._pending_writes.append(_PendingWrite(node, done, locked=True))
+            return True
+        done.synchronize()
+        if self._pending_writes:  # complete, but acknowledged in order after the copies before it
+            self._pending_writes.append(_PendingWrite(node, done, locked=False))
+        else:
+            self._write_completed(node, done)
         return True
 
     def _backup_on_evict(self, node: TreeNode) -> bool:
         return self.write_to_host(node, wait=True)
 
     def _ack_writes(self) -> None:
-        """Apply completed asynchronous (CUDA) device -> host copies, in order, as many as every rank has."""
+        """Apply completed device -> host copies, in order, as many as every rank has completed."""
         ready = 0
         for pending in self._pending_writes:
-            if pending.event is not None and not pending.event.query():
+            if not pending.done.query():
                 break
             ready += 1
         ready = self.tp.scheduler.all_min(ready)
         for _ in range(ready):
             pending = self._pending_writes.popleft()
-            self.tree.unlock(pending.node)
-            self._queue_storage_backup(pending.node)
+            if pending.locked:
+                self.tree.unlock(pending.node)
+            self._write_completed(pending.node, pending.done)
+
+    def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event) -> None:
+        """A device -> host copy finished: queue the storage backup, or drop a copy that failed."""
+        if isinstance(done, CopyDone):
+            self.metrics.add(host_backup_seconds=done.seconds)
+            if done.error is not None:  # the host pages hold a partial copy: never serve them
+                self.metrics.add(host_backup_errors=1)
+                self.tree.drop_host_value(node)
+                return
+        self._queue_storage_backup(node)
 
     def _queue_storage_backup(self, node: TreeNode) -> None:
         """Queue ``node``'s host pages for storage. A rank that does not write (replicated MLA KV)

@@ -234,8 +234,13 @@ class Engine:
         return [self._done.pop(r.rid) for r in requests]
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``: it is matched now and its storage prefetch issued (or planned)."""
+        """Queue ``request``: it is matched now and its storage prefetch issued (or planned).
+
+        Raises :class:`EngineCapacityError` for a request that would not fit even an empty
+        device pool; any other request is served, however long it has to wait for memory.
+        """
         request.check()
+        self._check_fits(request)
         live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
         if request.session_id is not None:
             live.session = self.sessions.ticket(request.session_id)
@@ -382,15 +387,43 @@ class Engine:
                     self._finish(live)
                 else:
                     self._prefilled.add(id(live))
-            elif not self._running and not self.controller.io_pending:
+                continue
+            if not self._running and not self.controller.io_pending and not self._unpin_waiting():
+                # Nothing holds device memory any more (no request runs, no copy is in flight, no
+                # waiting request pins a prefix), so everything is evictable: _check_fits at
+                # submit makes this unreachable unless the tree leaks a lock.
                 raise EngineCapacityError(
-                    f"request {live.request.rid!r} needs {len(live.request.tokens) + live.request.max_new_tokens} "
-                    f"token slots but the device pool cannot free that many ({self.config.device_pages} pages of "
-                    f"{self.config.page_size}); raise device_pages"
+                    f"request {live.request.rid!r} cannot get device memory although nothing else holds any "
+                    f"({self.config.device_pages} pages of {self.config.page_size}): this is a bug, please report it"
                 )
-            else:
-                break
+            break
         return admitted
+
+    def _check_fits(self, request: Request) -> None:
+        ps = self.config.page_size
+        pages = -(-(len(request.tokens) + request.max_new_tokens - 1) // ps)
+        if pages > self.config.device_pages:
+            raise EngineCapacityError(
+                f"request {request.rid!r} needs {pages} device pages ({len(request.tokens)} prompt + "
+                f"{request.max_new_tokens} new tokens, {ps} per page) but the device pool has "
+                f"{self.config.device_pages}; raise device_pages or shorten the request"
+            )
+
+    def _unpin_waiting(self) -> bool:
+        """Release the prefixes waiting requests pinned for their refetches; whether any was held.
+
+        Called when the head of the queue cannot start and nothing else could free memory: the
+        pins are what stands between it and the memory it needs. A request unpinned here may plan
+        a refetch again later (its prefetched pages are dropped if the prefix goes meanwhile).
+        """
+        released = False
+        for live in self._waiting:
+            if live.pinned is not None:
+                self.tree.unlock(live.pinned)
+                live.pinned = None
+                live.refetched = False
+                released = True
+        return released
 
     def _prefix_lost(self, live: _Live) -> bool:
         if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
@@ -499,7 +532,9 @@ class Engine:
         prefix = live.prefix_len
         own = live.own_slots
         keep_until = max(full - prefix, 0)
-        if full > prefix:
+        # Insert even when no page is new: the insert counts the hit that write_through_selective
+        # backs up on, so a prompt sent again and again still reaches the host and storage.
+        if full > 0:
             inserted = self.tree.insert(live.sequence.prefix(full), live.context(full))
             duplicate = max(inserted.duplicate_length - prefix, 0)
             if duplicate:

@@ -22,6 +22,7 @@ class CacheCounters:
     # device <-> host
     host_backup_pages: int = 0
     host_backup_seconds: float = 0.0
+    host_backup_errors: int = 0
     load_back_tokens: int = 0
     load_back_bytes: int = 0
     load_back_seconds: float = 0.0

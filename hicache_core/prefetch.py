@@ -9,7 +9,8 @@ its place and is issued on a later try. The prefetch thread asks the store ``pre
 the store reported yet failed to read (corrupted, truncated, gone) is remembered in
 :attr:`Prefetcher.suspects`, so the next backup of that page rewrites it instead of skipping it
 as present. The scheduler stops waiting by the stop policy: ``best_effort`` (take what
-arrived), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds
+arrived once the first batch is back: an op stopped before the thread reached it would read
+nothing), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds
 after issue), then puts the completed pages into the tree as host copies.
 
 Page safety: an op's host pages are pinned in the allocator until the thread is done with them,
@@ -93,6 +94,8 @@ class PrefetchOp:
     hit_pages: int = 0
     completed_pages: int = 0
     terminate: threading.Event = field(default_factory=threading.Event)
+    #: Set once the first batch of reads has returned (or the op ended without one).
+    first_batch: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -251,8 +254,12 @@ class Prefetcher:
         if op.state is PrefetchState.PLANNED:
             return False
         policy = self.config.stop_policy
-        if policy is StopPolicy.BEST_EFFORT or op.done.is_set():
+        if op.done.is_set():
             keep_waiting = False
+        elif policy is StopPolicy.BEST_EFFORT:
+            # Take what has arrived, but not before the first batch: stopping an op the thread
+            # has not reached yet would throw away every page the store holds for it.
+            keep_waiting = not op.first_batch.is_set()
         elif policy is StopPolicy.WAIT_COMPLETE:
             keep_waiting = True
         else:
@@ -300,6 +307,7 @@ class Prefetcher:
             finally:
                 if op.state is PrefetchState.RUNNING:
                     op.state = PrefetchState.DONE
+                op.first_batch.set()
                 op.done.set()
 
     def _run(self, backend: StorageBackend, op: PrefetchOp) -> None:
@@ -330,6 +338,7 @@ class Prefetcher:
                 self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
                 pinned_from = slot_end
                 op.completed_pages += got
+                op.first_batch.set()
                 self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
                 if results is None or got < len(results):
                     self.metrics.add(prefetch_failed_batches=1)

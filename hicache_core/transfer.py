@@ -4,6 +4,11 @@ Both go through :mod:`hicache_storage.kernels`. On CUDA a load runs on its own s
 one event per layer; on the CPU a loader thread copies layer after layer and sets one
 ``threading.Event`` per layer. Either way the model calls :meth:`LayerLoad.wait` before computing
 layer ``i`` and waits for layer ``i`` only, so loading overlaps computing the layers before it.
+
+A backup runs off the scheduler thread too: on a CUDA side stream, or on the CPU on a copier
+thread (backups in submission order). It returns the copy's completion (a CUDA event or a
+:class:`CopyDone`, both with ``query`` and ``synchronize``); the caller keeps the source slots
+(locked in the tree) and the destination pages unused until it completes.
 """
 
 from __future__ import annotations
@@ -48,6 +53,53 @@ class LayerLoad:
             self.wait(layer)
 
 
+class CopyDone:
+    """Completion of a copy run on a CPU thread: the CPU counterpart of a recorded CUDA event."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        """Whether the copy has finished (successfully or not: see ``error``)."""
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def _set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class _SerialWorker:
+    """One daemon thread running submitted jobs in order (started on first use)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
 class Transfers:
     """Runs the kernels between one device pool and one host pool."""
 
@@ -58,15 +110,33 @@ class Transfers:
         self.cuda = device.kv.is_cuda
         self._load_stream = torch.cuda.Stream(device.device) if self.cuda else None
         self._write_stream = torch.cuda.Stream(device.device) if self.cuda else None
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._loader: threading.Thread | None = None
+        self._loader = _SerialWorker("hicache-load")
+        self._copier = _SerialWorker("hicache-backup-copy")
 
-    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> torch.cuda.Event | None:
-        """Copy every layer of the slots device -> host. On CUDA returns the event marking completion
-        (the copy runs on a side stream); on the CPU the copy is done on return and this returns None."""
+    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> torch.cuda.Event | CopyDone:
+        """Start copying every layer of the slots device -> host; returns the copy's completion.
+
+        On CUDA the copy runs on a side stream (a CUDA event); on the CPU on the copier thread
+        (a :class:`CopyDone`). Neither the source slots nor the destination pages may be reused
+        before it completes.
+        """
         if not self.cuda:
-            self._backup(device_indices, host_indices)
-            return None
+            done = CopyDone()
+
+            def job() -> None:
+                started = time.perf_counter()
+                try:
+                    self._backup(device_indices, host_indices)
+                except BaseException as exc:  # reported through the completion, never lost in the thread
+                    log.exception("device -> host backup copy failed")
+                    done.seconds = time.perf_counter() - started
+                    done._set(exc)
+                else:
+                    done.seconds = time.perf_counter() - started
+                    done._set()
+
+            self._copier.submit(job)
+            return done
         assert self._write_stream is not None
         self._write_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._write_stream):
@@ -110,8 +180,7 @@ class Transfers:
                     event.set()
                 on_done(load)
 
-        self._ensure_loader()
-        self._jobs.put(job)
+        self._loader.submit(job)
         return load
 
     def _load_cuda(self, load: LayerLoad, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
@@ -139,19 +208,6 @@ class Transfers:
             backend=self.kernel_backend,
         )
 
-    def _ensure_loader(self) -> None:
-        if self._loader is None or not self._loader.is_alive():
-            self._loader = threading.Thread(target=self._run_loader, name="hicache-load", daemon=True)
-            self._loader.start()
-
-    def _run_loader(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job()
-
     def close(self) -> None:
-        if self._loader is not None and self._loader.is_alive():
-            self._jobs.put(None)
-            self._loader.join()
+        self._loader.close()
+        self._copier.close()

@@ -175,7 +175,8 @@ def test_timeout_policy_stops_waiting_for_a_hung_read_and_wait_complete_does_not
 
 
 def test_host_pages_under_a_hung_read_are_never_reused():
-    controller = make_controller(page_size=2, host_pages=6, threshold_tokens=2, stop_policy=StopPolicy.BEST_EFFORT)
+    controller = make_controller(page_size=2, host_pages=6, threshold_tokens=2, stop_policy=StopPolicy.TIMEOUT,
+                                 timeout_base_s=0.0, timeout_per_ki_token_s=0.0)
     backend = RecordingBackend()
     tokens = list(range(8))
     backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
@@ -186,7 +187,7 @@ def test_host_pages_under_a_hung_read_are_never_reused():
         assert controller.prefetcher.try_issue(op)
         assert backend.get_entered.wait(30), "the prefetch thread must reach the read"
         read_pages = set(op.host_indices.tolist())
-        assert controller.prefetcher.ready(op), "best effort stops waiting at once"
+        assert controller.prefetcher.ready(op), "a zero timeout stops waiting at once"
         assert controller.prefetcher.finish(op) == 0
         allocator = controller.host.allocator
         assert allocator.idle_pages == 6 - len(read_pages) // 2
