@@ -1,13 +1,16 @@
-"""Transfers with stock torch ops: one gather (``index_select``) and one scatter (``index_copy_``).
+"""Transfers with stock torch ops, the backend everywhere Triton does not run.
 
-This is the CPU backend and the reference the Triton kernels are tested against. Each call is a
-fixed handful of vectorized ops whatever the number of pages or layers (no Python loop per page).
-When the two tensors live on different devices (a CUDA device KV and a pinned host pool), the
-gathered rows cross with one ``Tensor.to`` copy; that staging copy is why the Triton path, which
-reads and writes the pinned pool in place, exists.
+* Both tensors in host memory (the CPU engine): :mod:`.cpu_transfer` copies each run of
+  consecutive slots in place, one ``numpy.copyto`` per run, on the calling thread and idle
+  helpers.
+* A device KV on an accelerator with a host pool (Triton unavailable): one gather
+  (``index_select``), one ``Tensor.to`` copy across, one scatter (``index_copy_``): a fixed
+  handful of vectorized ops whatever the number of pages or layers. The staging copy is why the
+  Triton path, which reads and writes the pinned pool in place, exists.
 
-Both tensors are viewed as integers of the same width first: the copy moves bits, never converts
-values (NaN payloads and float8 codes survive), and dtypes without CPU index kernels (float8) work.
+Both tensors are viewed as integers (or bytes) of the same width first: the copy moves bits,
+never converts values (NaN payloads and float8 codes survive), and dtypes without CPU index
+kernels (float8) work.
 
 Indices must already be int64 and validated (see ``dispatch``); a slot listed twice among the
 destination indices gets one of the written rows, which one is unspecified.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_transfer
 from .layouts import TransferGeometry
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -36,6 +40,11 @@ def load_layer(
     host_indices: torch.Tensor,
 ) -> None:
     """Copy ``host_kv`` rows of ``host_indices`` in ``layer`` to ``device_kv`` rows of ``device_indices``."""
+    if _both_on_cpu(device_kv, host_kv):
+        cpu_transfer.load_layer(
+            device_kv, host_kv, geometry, layer=layer, device_indices=device_indices, host_indices=host_indices
+        )
+        return
     device_kv, host_kv = _bits(device_kv), _bits(host_kv)
     host_flat = host_kv.view(geometry.halves, geometry.host_rows.rows_per_half, geometry.row_elems)
     host_rows = geometry.host_rows.rows(host_indices.to(host_kv.device), layer)
@@ -53,6 +62,9 @@ def backup(
     host_indices: torch.Tensor,
 ) -> None:
     """Copy every layer of ``device_kv`` slots ``device_indices`` to ``host_kv`` slots ``host_indices``."""
+    if _both_on_cpu(device_kv, host_kv):
+        cpu_transfer.backup(device_kv, host_kv, geometry, device_indices=device_indices, host_indices=host_indices)
+        return
     device_kv, host_kv = _bits(device_kv), _bits(host_kv)
     count = device_indices.numel()
     device_flat = device_kv.view(geometry.halves, geometry.layers, geometry.device_slots, geometry.row_elems)
@@ -63,3 +75,7 @@ def backup(
     host_rows = geometry.host_rows.rows(host_indices.to(host_kv.device).unsqueeze(0), layers).reshape(-1)
     host_flat = host_kv.view(geometry.halves, geometry.host_rows.rows_per_half, geometry.row_elems)
     host_flat.index_copy_(1, host_rows, gathered.to(host_kv.device))
+
+
+def _both_on_cpu(device_kv: torch.Tensor, host_kv: torch.Tensor) -> bool:
+    return device_kv.device.type == "cpu" and host_kv.device.type == "cpu"

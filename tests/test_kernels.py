@@ -352,3 +352,167 @@ def test_triton_requested_without_triton_names_the_package(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"triton does not import .*pip install 'hicache-storage\[kernels\]'"):
         select_backend(device_kv, host_kv, "triton")
     assert select_backend(device_kv, host_kv) == "torch"
+
+
+# --- The CPU fast path: page-aligned runs copied in place (kernels/cpu_transfer.py) -------------
+
+
+def page_runs_indices(
+    pattern: str, device_pages: int, host_pages: int, count: int, page_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole pages as the engine passes them: ``coalesced`` (one stretch on both sides),
+    ``fragmented`` (random pages), ``stretches`` (random stretches of 1-4 consecutive pages), or
+    ``mixed`` (stretches plus single slots and unaligned pieces, so both CPU paths run in one call)."""
+    offsets = torch.arange(page_size)
+    if pattern == "coalesced":
+        device = torch.arange(count) + int(torch.randint(0, device_pages - count + 1, (), generator=generator))
+        host = torch.arange(count) + int(torch.randint(0, host_pages - count + 1, (), generator=generator))
+    elif pattern == "fragmented":
+        device = torch.randperm(device_pages, generator=generator)[:count]
+        host = torch.randperm(host_pages, generator=generator)[:count]
+    else:
+        device, host = stretches(device_pages, host_pages, count, generator)
+    device_idx = (device[:, None] * page_size + offsets).reshape(-1)
+    host_idx = (host[:, None] * page_size + offsets).reshape(-1)
+    if pattern == "mixed":
+        # Drop a few slots and shift a piece off its page boundary: short and unaligned runs.
+        keep = torch.rand(device_idx.numel(), generator=generator) > 0.1
+        device_idx, host_idx = device_idx[keep], host_idx[keep]
+        cut = device_idx.numel() // 2
+        host_idx = torch.cat([host_idx[:cut], host_idx[cut:].roll(1)])
+    return device_idx, host_idx
+
+
+def stretches(device_pages: int, host_pages: int, count: int, generator: torch.Generator):
+    """Up to ``count`` distinct pages per side (as many on both), in shuffled stretches of 1-4
+    consecutive pages."""
+    chosen: list[torch.Tensor] = []
+    for pages in (device_pages, host_pages):
+        order = torch.randperm(pages // 4, generator=generator).tolist()
+        picked: list[int] = []
+        for group in order:
+            length = int(torch.randint(1, 5, (), generator=generator))
+            picked += range(group * 4, group * 4 + length)
+            if len(picked) >= count:
+                break
+        chosen.append(torch.tensor(picked[:count]))
+    both = min(len(chosen[0]), len(chosen[1]))
+    return chosen[0][:both], chosen[1][:both]
+
+
+@pytest.fixture
+def forced_parallel(monkeypatch):
+    """Every transfer split in one-run chunks and offered to helper threads, whatever its size."""
+    from hicache_storage.kernels import cpu_transfer
+
+    monkeypatch.setattr(cpu_transfer, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu_transfer, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu_transfer, "_MAX_THREADS", 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_matches_oracle(case: Case, device_kv, host_kv, device_idx, host_idx) -> None:
+    want_device, want_host = expected_after(case, device_kv, host_kv, device_idx, host_idx)
+    loaded = device_kv.clone()
+    for layer in range(case.layers):
+        load_layer(
+            loaded, host_kv, layer=layer, device_indices=device_idx, host_indices=host_idx,
+            layout=case.layout, page_size=case.page_size,
+        )
+    backed_up = host_kv.clone()
+    backup(
+        device_kv, backed_up, device_indices=device_idx, host_indices=host_idx,
+        layout=case.layout, page_size=case.page_size,
+    )
+    assert torch.equal(as_bits(loaded), as_bits(want_device)), case
+    assert torch.equal(as_bits(backed_up), as_bits(want_host)), case
+    assert not torch.equal(as_bits(loaded), as_bits(device_kv))
+    assert not torch.equal(as_bits(backed_up), as_bits(host_kv))
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("pattern", ["coalesced", "fragmented", "stretches", "mixed"])
+@pytest.mark.parametrize("layout", list(KVLayout), ids=[layout.value for layout in KVLayout])
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_cpu_page_runs_match_the_oracle(request, layout: KVLayout, pattern: str, mla: bool, parallel: bool) -> None:
+    if parallel:
+        request.getfixturevalue("forced_parallel")
+    seed = hash((layout.value, pattern, mla)) % 10_000
+    dtype = DTYPES[seed % len(DTYPES)]
+    page_size = (16, 64)[seed % 2]
+    case = Case(layout, dtype, 1 if mla else 2, 3, 1 if mla else 2, 12, page_size, 24, 20, "pages", seed)
+    generator = torch.Generator().manual_seed(seed)
+    device_kv, host_kv, _, _ = make_tensors(case)
+    device_idx, host_idx = page_runs_indices(pattern, case.device_pages, case.host_pages, 12, page_size, generator)
+    assert_matches_oracle(case, device_kv, host_kv, device_idx, host_idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_page_runs_move_bits_of_every_dtype(dtype: torch.dtype, forced_parallel) -> None:
+    for layout in KVLayout:
+        case = Case(layout, dtype, 2, 2, 2, 8, 4, 12, 10, "pages", 3)
+        generator = torch.Generator().manual_seed(5)
+        device_kv, host_kv, _, _ = make_tensors(case)
+        device_idx, host_idx = page_runs_indices("stretches", 12, 10, 6, 4, generator)
+        assert_matches_oracle(case, device_kv, host_kv, device_idx, host_idx)
+
+
+def test_plan_runs_coalesces_pages_and_sends_short_runs_to_the_row_path() -> None:
+    from hicache_storage.kernels.cpu_transfer import MIN_RUN_SLOTS, plan_runs
+
+    device = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 30, 40, 41, 42, 43])
+    host = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23, 2, 50, 51, 52, 53])
+    runs = plan_runs(device, host, block=1)
+    assert MIN_RUN_SLOTS <= 4
+    assert list(zip(runs.device_starts, runs.host_starts, runs.lengths)) == [(8, 4, 8), (0, 20, 4), (40, 50, 4)]
+    assert runs.device_rest.tolist() == [30] and runs.host_rest.tolist() == [2]
+    # page_first_direct splits at host pages (block 4): host 4..11 is two blocks.
+    paged = plan_runs(device, host, block=4)
+    assert list(zip(paged.device_starts, paged.host_starts, paged.lengths))[:2] == [(8, 4, 4), (12, 8, 4)]
+
+
+def test_plan_reuse_never_returns_a_stale_plan_after_an_in_place_change() -> None:
+    case = Case(KVLayout.PAGE_FIRST, torch.float16, 2, 2, 1, 8, 4, 8, 8, "pages", 11)
+    device_kv, host_kv, _, _ = make_tensors(case)
+    device_idx = torch.arange(8, 16)
+    host_idx = torch.arange(0, 8)
+    loaded = device_kv.clone()
+    args = dict(device_indices=device_idx, host_indices=host_idx, layout="page_first", page_size=4)
+    load_layer(loaded, host_kv, layer=0, **args)
+    host_idx.numpy()[:] = torch.arange(16, 24).numpy()  # same tensor, same version counter, new contents
+    load_layer(loaded, host_kv, layer=1, **args)
+    assert torch.equal(as_bits(loaded[:, 1, 8:16]), as_bits(host_kv[:, 16:24, 1]))
+
+
+def test_an_error_in_a_claimed_chunk_reaches_the_caller() -> None:
+    from hicache_storage.kernels.cpu_transfer import _SharedWork, _helper_pool
+
+    done: list[int] = []
+
+    def task(index: int) -> None:
+        if index == 3:
+            raise RuntimeError("chunk 3 failed")
+        done.append(index)
+
+    work = _SharedWork(8, task)
+    _helper_pool().submit(work.run)
+    work.run()
+    with pytest.raises(RuntimeError, match="chunk 3 failed"):
+        work.wait()
+    assert sorted(done) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_cpu_benchmark_reports_verified_rows_for_every_leg() -> None:
+    from hicache_storage.kernels.cpu_benchmark import measure_cpu_transfers
+
+    report = measure_cpu_transfers(
+        layers=2, heads=1, head_dim=16, dtypes=("bfloat16",), page_size=4, pages=(3,),
+        patterns=("fragmented", "slots"), repeats=1,
+    )
+    rows = report["results"]
+    assert len(rows) == 3 * 2 * 2  # layouts x patterns x directions
+    assert all(row["verified"] and row["gbps"] > 0 and row["ratio_to_copy"] > 0 for row in rows)
+    assert {row["direction"] for row in rows} == {"load", "backup"}

@@ -1,0 +1,308 @@
+"""The torch backend when both KV tensors are in host memory: copy runs of slots, in place.
+
+The engine's indices are whole pages, often several consecutive ones, so a transfer is a list of
+*runs*: stretches of slots consecutive on both sides (for ``page_first_direct`` also inside one
+host page). A run of one layer is one strided block in each tensor, so it moves with one
+``numpy.copyto`` from source to destination: no staging buffer, no per-element index kernel, a
+``memmove`` per row or per page-layer. The Python cost is one call per run (a load moves one layer,
+so ``runs`` calls; a backup moves every layer of a run in one call), small next to a page's bytes.
+
+Slots left in runs shorter than :data:`MIN_RUN_SLOTS` (scattered slots, odd alignments) move with
+one vectorized row gather and scatter instead, so any order and alignment still work.
+
+Large transfers are split into chunks of runs that the calling thread and up to
+``torch.get_num_threads() - 1`` helper threads claim one at a time (numpy releases the GIL while
+it copies). The calling thread never waits for a helper to start: a helper that is not scheduled
+(a busy machine) claims nothing and the caller copies everything itself, which is why this does
+not use torch's intra-op pool, whose static split waits for every thread. Calls are thread-safe
+and complete before returning.
+
+Tensors are viewed as bytes: values are never converted (NaN payloads and float8 codes survive).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layouts import RowMap, TransferGeometry
+
+#: Runs shorter than this many slots move with the row gather/scatter (one call per run would
+#: cost more than the row copies it saves).
+MIN_RUN_SLOTS = 4
+#: Transfers smaller than this stay on the calling thread (waking a helper costs more).
+PARALLEL_MIN_BYTES = 2 << 20
+#: Bytes a thread claims at a time: small enough that a helper descheduled mid-chunk delays the
+#: call by little, large enough that claiming costs nothing measurable.
+CHUNK_BYTES = 512 << 10
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Index pairs split into runs (``device_starts[i]``, ``host_starts[i]``, ``lengths[i]``)
+    plus the slots of the runs too short to copy one by one (``device_rest``, ``host_rest``)."""
+
+    device_starts: list[int]
+    host_starts: list[int]
+    lengths: list[int]
+    device_rest: np.ndarray
+    host_rest: np.ndarray
+
+
+def plan_runs(device_indices: torch.Tensor, host_indices: torch.Tensor, block: int) -> Runs:
+    """Split int64 CPU index lists into maximal runs; ``block`` > 1 splits runs at host blocks.
+
+    A load calls this once per layer with the same lists: the last plan of each thread is kept
+    with a copy of its lists and reused when the contents match (a comparison costs far less than
+    planning, and a list changed in place, by any route, is never mistaken for the old one).
+    """
+    device = device_indices.numpy()
+    host = host_indices.numpy()
+    last = getattr(_last_plan, "value", None)
+    if (
+        last is not None
+        and last[0] == block
+        and np.array_equal(last[1], device)
+        and np.array_equal(last[2], host)
+    ):
+        return last[3]
+    breaks = np.ones(device.size, dtype=bool)
+    np.not_equal(np.diff(device), 1, out=breaks[1:])
+    breaks[1:] |= np.diff(host) != 1
+    if block > 1:
+        breaks[1:] |= host[1:] % block == 0
+    starts = np.flatnonzero(breaks)
+    lengths = np.diff(starts, append=device.size)
+    long = lengths >= MIN_RUN_SLOTS
+    if long.all():
+        rest = np.empty(0, dtype=np.int64)
+        device_rest = host_rest = rest
+    else:
+        short_slots = np.repeat(~long, lengths)
+        device_rest, host_rest = device[short_slots], host[short_slots]
+        starts, lengths = starts[long], lengths[long]
+    runs = Runs(
+        device_starts=device[starts].tolist(),
+        host_starts=host[starts].tolist(),
+        lengths=lengths.tolist(),
+        device_rest=device_rest,
+        host_rest=host_rest,
+    )
+    _last_plan.value = (block, device.copy(), host.copy(), runs)
+    return runs
+
+
+_last_plan = threading.local()
+
+
+def load_layer(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    geometry: TransferGeometry,
+    *,
+    layer: int,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+) -> None:
+    """Copy ``host_kv`` slots ``host_indices`` of ``layer`` to ``device_kv`` slots ``device_indices``."""
+    hmap = geometry.host_rows
+    runs = plan_runs(device_indices, host_indices, hmap.block)
+    device = _device_view(device_kv, geometry)
+    host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
+    device_layer = device[:, layer]
+    if runs.lengths:
+        if hmap.block == 1:
+            host_layer = _slot_view(host_rows, geometry)[:, :, layer]
+
+            def copy_run(d: int, h: int, n: int) -> None:
+                np.copyto(device_layer[:, d : d + n], host_layer[:, h : h + n])
+
+        else:
+            host_blocks = _block_view(host_rows, geometry)
+            block = hmap.block
+
+            def copy_run(d: int, h: int, n: int) -> None:
+                offset = h % block
+                np.copyto(device_layer[:, d : d + n], host_blocks[:, h // block, layer, offset : offset + n])
+
+        _copy_runs(runs, copy_run, geometry.halves * device.shape[-1])
+    if runs.device_rest.size:
+        rows = device.reshape(geometry.halves, -1, device.shape[-1])
+        device_rows = runs.device_rest + layer * geometry.device_slots
+        rows[:, device_rows] = host_rows[:, _host_row_numbers(hmap, runs.host_rest, layer)]
+
+
+def backup(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    geometry: TransferGeometry,
+    *,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+) -> None:
+    """Copy every layer of ``device_kv`` slots ``device_indices`` to ``host_kv`` slots ``host_indices``."""
+    hmap = geometry.host_rows
+    runs = plan_runs(device_indices, host_indices, hmap.block)
+    device = _device_view(device_kv, geometry)
+    host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
+    if runs.lengths:
+        if hmap.block == 1:
+            # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
+            host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
+
+            def copy_run(d: int, h: int, n: int) -> None:
+                np.copyto(host_layers[:, :, h : h + n], device[:, :, d : d + n])
+
+        else:
+            host_blocks = _block_view(host_rows, geometry)
+            block = hmap.block
+
+            def copy_run(d: int, h: int, n: int) -> None:
+                offset = h % block
+                np.copyto(host_blocks[:, h // block, :, offset : offset + n], device[:, :, d : d + n])
+
+        _copy_runs(runs, copy_run, geometry.halves * geometry.layers * device.shape[-1])
+    if runs.device_rest.size:
+        layers = np.arange(geometry.layers, dtype=np.int64)[:, None]
+        device_rows = (layers * geometry.device_slots + runs.device_rest).reshape(-1)
+        host_row_numbers = _host_row_numbers(hmap, runs.host_rest, layers).reshape(-1)
+        rows = device.reshape(geometry.halves, -1, device.shape[-1])
+        host_rows[:, host_row_numbers] = rows[:, device_rows]
+
+
+def _rows(tensor: torch.Tensor, halves: int, rows_per_half: int) -> np.ndarray:
+    """``tensor``'s bytes as ``(halves, rows_per_half, row_bytes)``, sharing its memory."""
+    return tensor.detach().view(torch.uint8).numpy().reshape(halves, rows_per_half, -1)
+
+
+def _device_view(device_kv: torch.Tensor, geometry: TransferGeometry) -> np.ndarray:
+    """The device KV as bytes, ``(halves, layers, device_slots, row_bytes)``."""
+    rows = _rows(device_kv, geometry.halves, geometry.device_rows.rows_per_half)
+    return rows.reshape(geometry.halves, geometry.layers, geometry.device_slots, -1)
+
+
+def _slot_view(host_rows: np.ndarray, geometry: TransferGeometry) -> np.ndarray:
+    """A host pool whose row map has ``block == 1`` as ``(halves, slots, layers, row_bytes)``."""
+    halves, _, row_bytes = host_rows.shape
+    rows = geometry.host_rows
+    return np.lib.stride_tricks.as_strided(
+        host_rows,
+        shape=(halves, geometry.host_slots, geometry.layers, row_bytes),
+        strides=(host_rows.strides[0], rows.block_stride * row_bytes, rows.layer_stride * row_bytes, 1),
+        writeable=True,
+    )
+
+
+def _block_view(host_rows: np.ndarray, geometry: TransferGeometry) -> np.ndarray:
+    """A paged host pool (``block > 1``) as ``(halves, slots // block, layers, block, row_bytes)``."""
+    halves, _, row_bytes = host_rows.shape
+    rows = geometry.host_rows
+    return np.lib.stride_tricks.as_strided(
+        host_rows,
+        shape=(halves, geometry.host_slots // rows.block, geometry.layers, rows.block, row_bytes),
+        strides=(
+            host_rows.strides[0],
+            rows.block_stride * row_bytes,
+            rows.layer_stride * row_bytes,
+            rows.in_block_stride * row_bytes,
+            1,
+        ),
+        writeable=True,
+    )
+
+
+def _host_row_numbers(rows: RowMap, slots: np.ndarray, layer: int | np.ndarray) -> np.ndarray:
+    """:meth:`RowMap.rows` on numpy arrays (same formula, same broadcasting)."""
+    return (
+        (slots // rows.block) * rows.block_stride
+        + (slots % rows.block) * rows.in_block_stride
+        + layer * rows.layer_stride
+    )
+
+
+def _copy_runs(runs: Runs, copy_run: Callable[[int, int, int], None], bytes_per_slot: int) -> None:
+    """Call ``copy_run(device_start, host_start, length)`` over every run, on several threads when
+    the transfer is large enough (see the module docstring); long runs are cut into chunk-sized
+    pieces so that one long run is shared too."""
+    triples = list(zip(runs.device_starts, runs.host_starts, runs.lengths))
+    total = sum(runs.lengths) * bytes_per_slot
+    helpers = min(torch.get_num_threads(), _MAX_THREADS) - 1
+    if helpers < 1 or total < PARALLEL_MIN_BYTES:
+        for d, h, n in triples:
+            copy_run(d, h, n)
+        return
+    piece = max(1, CHUNK_BYTES // bytes_per_slot)
+    pieces = [(d + i, h + i, min(piece, n - i)) for d, h, n in triples for i in range(0, n, piece)]
+    per_chunk = max(1, CHUNK_BYTES * len(pieces) // total)
+    chunks = [pieces[i : i + per_chunk] for i in range(0, len(pieces), per_chunk)]
+
+    def copy_chunk(index: int) -> None:
+        for d, h, n in chunks[index]:
+            copy_run(d, h, n)
+
+    work = _SharedWork(len(chunks), copy_chunk)
+    pool = _helper_pool()
+    for _ in range(min(helpers, len(chunks) - 1)):
+        pool.submit(work.run)
+    work.run()
+    work.wait()
+
+
+class _SharedWork:
+    """``count`` numbered tasks that any thread calling :meth:`run` claims one at a time."""
+
+    def __init__(self, count: int, task: Callable[[int], None]) -> None:
+        self._task = task
+        self._count = count
+        self._claims = itertools.count()  # next() on it is atomic under the GIL
+        self._left = count
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        while (index := next(self._claims)) < self._count:
+            try:
+                self._task(index)
+            except BaseException as exc:  # re-raised on the calling thread by wait()
+                self._error = self._error or exc
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        """Block until every task has finished (claimed by whichever thread), then re-raise the
+        first error one of them raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+_MAX_THREADS = os.cpu_count() or 1
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, _MAX_THREADS - 1), thread_name_prefix="hicache-copy")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child inherits the pool object but not its threads: start a new one on demand."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
