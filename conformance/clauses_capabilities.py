@@ -149,10 +149,10 @@ class CapabilityClauses:
             assert value is not None, "a page read back before its time to live ran out was a miss"
         if value is not None:
             check_page(value, key)
-        deadline = written + 10 * seconds + 10
+        deadline = written + 5 * seconds + 5
         while expiring.exists([key]) == [True] and time.monotonic() < deadline:
             time.sleep(seconds / 4)
-        assert expiring.exists([key]) == [False], f"a page with a {seconds} s time to live still exists {10 * seconds + 10} s later"
+        assert expiring.exists([key]) == [False], f"a page with a {seconds} s time to live still exists {5 * seconds + 5} s later"
         assert expiring.get([key], 4096) == [None]
 
     # --- zero copy ------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class CapabilityClauses:
         assert stored == [True]
         assert peak < size // 2, f"a zero-copy write of a {size}-byte page allocated {peak} bytes in Python: a staged copy"
         [value] = store.get([key], size)
-        check_page(value or b"", key)
+        check_page(value, key)
 
     # --- batching -------------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class CapabilityClauses:
             assert store.put(keys, [page_for(k, 128) for k in keys]) == [True] * len(keys)
             assert store.exists(keys) == [True] * len(keys)
             for key, value in zip(keys, store.get(keys, 128)):
-                check_page(value or b"", key, known=known)
+                check_page(value, key, known=known)
             if store.capabilities.delete:
                 assert store.delete(keys) == [True] * len(keys)
                 assert store.exists(keys) == [False] * len(keys)
@@ -292,8 +292,8 @@ class CapabilityClauses:
         store.close()
         reopened = open_backend()
         got = reopened.get(keys, 4096)
-        check_page(got[0] or b"", keys[0], versions=(0,))
-        check_page(got[1] or b"", keys[1], versions=(1,))
+        check_page(got[0], keys[0], versions=(0,))
+        check_page(got[1], keys[1], versions=(1,))
         if reopened.capabilities.delete:
             assert got[2] is None, "a deleted page came back in a new instance"
         if reopened.capabilities.clear:

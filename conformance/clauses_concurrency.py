@@ -71,11 +71,17 @@ def run_threads(*groups: tuple[int, Callable[[int], None]], stop: threading.Even
     return problems
 
 
+def report(problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        pytest.fail(problems[0] + more, pytrace=False)
+
+
 class ConcurrencyClauses:
     """Atomic publication and per-key identity while writers and readers overlap."""
 
     #: Bytes of one page in the concurrent clauses: large enough that a copy takes many steps.
-    concurrent_page_bytes = 64 * 1024
+    concurrent_page_bytes = 256 * 1024
 
     @pytest.mark.slow
     def test_publication_is_atomic_under_contention(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
@@ -130,17 +136,17 @@ class ConcurrencyClauses:
                             check_page(target, new, versions=(0,), known=known)
 
         problems = run_threads((writers, writer), (2, reader), stop=stop)
-        assert problems == [], problems[0] if problems else ""
+        report(problems)
         for key, value in zip(hot, store.get(hot, size)):
             if value is not None or not may_miss:
-                check_page(value or b"", key, versions=(completed[key],), known=known)
+                check_page(value, key, versions=(completed[key],), known=known)
 
     @pytest.mark.slow
     def test_concurrent_writers_and_readers_never_see_a_torn_page(
         self, store: StorageBackend, scope: KeyScope, rng: random.Random
     ) -> None:
         """Several writers overwrite the same keys; a reader only ever sees one whole version of its key."""
-        size = 4 * self.concurrent_page_bytes
+        size = self.concurrent_page_bytes
         keys = [scope.key(random_hash(rng)) for _ in range(4)]
         known = {key_digest(k): k for k in keys}
         assert store.put(keys, [page_for(k, size, 0) for k in keys]) == [True] * len(keys)
@@ -163,7 +169,7 @@ class ConcurrencyClauses:
                         check_page(target, key, versions=set(written[key]), known=known)
 
         problems = run_threads((3, writer), (2, reader), stop=stop)
-        assert problems == [], problems[0] if problems else ""
+        report(problems)
 
     @pytest.mark.slow
     def test_concurrent_readers_get_their_own_pages(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
@@ -187,7 +193,7 @@ class ConcurrencyClauses:
                         assert may_miss, "a stored page read as a miss"
 
         problems = run_threads((readers, reader))
-        assert problems == [], problems[0] if problems else ""
+        report(problems)
 
     def test_concurrent_distinct_keys(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
         """Writers of different keys at once: every page is stored, and reads back as its own."""
@@ -206,4 +212,4 @@ class ConcurrencyClauses:
                         check_page(value, key, versions=(round_,))
 
         problems = run_threads((len(seeds), worker))
-        assert problems == [], problems[0] if problems else ""
+        report(problems)

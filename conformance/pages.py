@@ -64,7 +64,7 @@ class PageMismatch(AssertionError):
 
 
 def check_page(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | None,
     key: PageKey,
     versions: Iterable[int] = (0,),
     known: Mapping[bytes, PageKey] | None = None,
@@ -72,8 +72,11 @@ def check_page(
     """The version of ``key`` that ``data`` holds whole; raises :class:`PageMismatch` otherwise.
 
     ``versions`` are the versions a correct store may return at this point; ``known`` maps
-    :func:`key_digest` of the other keys in play to the keys, to name a foreign page.
+    :func:`key_digest` of the other keys in play to the keys, to name a foreign page. ``None``
+    (what ``get`` returns for a miss) is a mismatch.
     """
+    if data is None:
+        raise PageMismatch(f"read of {_name(key)} was a miss; a correct store returns one of versions {_span(set(versions))}")
     data = bytes(data)
     size = len(data)
     allowed = set(versions)

@@ -106,100 +106,9 @@ def page_bytes(rng: random.Random, size: int, pattern: str = "random") -> bytes:
     return rng.randbytes(size)
 
 
-class ConformanceTests(ByteClauses, IdentityClauses, ConcurrencyClauses, CapabilityClauses):
-    """Subclass with ``backend`` set and a ``backend_config`` fixture; pytest collects the rest."""
-
-    #: Registry name or ``package.module:Class`` of the backend under test.
-    backend: ClassVar[str] = ""
-    #: Wrapper specs applied around the backend (see ``hicache_storage.wrappers.wrap``).
-    wrappers: ClassVar[list[dict[str, Any]] | None] = None
-    #: Capability fields to override for this run: declare an emulator's gaps here, never as
-    #: ``if emulator:`` in a test.
-    capability_overrides: ClassVar[dict[str, Any]] = {}
-    #: Page size used by most clauses, in bytes.
-    page_size_bytes: ClassVar[int] = 4096
-
-    # --- fixtures -----------------------------------------------------------------------------
-
-    @pytest.fixture
-    def backend_name(self) -> str:
-        """The backend under test; defaults to the ``backend`` class attribute."""
-        if not self.backend:
-            pytest.fail(f"{type(self).__name__}.backend is not set: name the backend under test", pytrace=False)
-        return self.backend
-
-    @pytest.fixture
-    def backend_config(self) -> dict[str, Any]:
-        """Override to give the backend's config (JSON-serializable: it is also sent to subprocesses)."""
-        return {}
-
-    @pytest.fixture
-    def backend_wrappers(self) -> list[dict[str, Any]] | None:
-        """Wrapper specs around the backend; defaults to the ``wrappers`` class attribute."""
-        return self.wrappers
-
-    @pytest.fixture
-    def open_backend(
-        self, backend_name: str, backend_config: dict[str, Any], backend_wrappers: list[dict[str, Any]] | None
-    ) -> Iterator[Callable[..., StorageBackend]]:
-        """A factory of backends with the configuration under test (or the config it is given);
-        each is closed afterwards."""
-        opened: list[StorageBackend] = []
-
-        def factory(config: dict[str, Any] | None = None) -> StorageBackend:
-            store = self.make_backend(backend_name, backend_config if config is None else config, backend_wrappers)
-            opened.append(store)
-            return store
-
-        yield factory
-        for store in opened:
-            store.close()
-
-    @pytest.fixture
-    def store(self, open_backend: Callable[..., StorageBackend]) -> StorageBackend:
-        return open_backend()
-
-    @pytest.fixture
-    def backdoor(self, store: StorageBackend) -> Backdoor | None:
-        """An independent read/write path into the store (see :mod:`~hicache_storage.conformance.backdoor`),
-        or ``None``. Default: the built-in one for a bare memory or file connector. Override it to
-        give your connector's (a raw client reading and writing the stored value)."""
-        return builtin_backdoor(store)
-
-    @pytest.fixture
-    def rng(self, request: pytest.FixtureRequest) -> random.Random:
-        return random.Random(request.node.nodeid)
-
-    @pytest.fixture
-    def namespace(self, store: StorageBackend) -> Iterator[Namespace]:
-        namespace = Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64)
-        yield namespace
-        if store.capabilities.clear and not store.closed:
-            store.clear(namespace)
-
-    @pytest.fixture
-    def scope(self, namespace: Namespace) -> KeyScope:
-        return KeyScope(namespace)
-
-    # --- helpers ------------------------------------------------------------------------------
-
-    def make_backend(self, name: str, config: dict[str, Any], wrappers: list[dict[str, Any]] | None) -> StorageBackend:
-        store = create_backend(name, config)
-        if wrappers:
-            from hicache_storage.wrappers import wrap
-
-            store = wrap(store, wrappers)
-        if self.capability_overrides:
-            store.capabilities = replace(store.capabilities, **self.capability_overrides)
-        return store
-
-    @staticmethod
-    def require(store: StorageBackend, capability: str) -> None:
-        if not getattr(store.capabilities, capability):
-            pytest.skip(f"unsupported: the backend does not declare {capability}")
-
-    def write(self, store: StorageBackend, keys: list[PageKey], values: list[bytes]) -> None:
-        assert store.put(keys, values) == [True] * len(keys), "put did not store every page"
+class CoreClauses:
+    """Round trips, per-key results, batches, prefix semantics, overwrite, delete, clear, isolation,
+    exact bytes, declared limits, bad input, the model-based test and multi-pool storage."""
 
     # --- round trips --------------------------------------------------------------------------
 
@@ -562,3 +471,103 @@ class ConformanceTests(ByteClauses, IdentityClauses, ConcurrencyClauses, Capabil
         targets = [[bytearray(len(segment)) for segment in page] for page in pages]
         assert pools.get_into("kv", chain, targets) == [True] * 3
         assert [[bytes(segment) for segment in page] for page in targets] == pages
+
+
+class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, IdentityClauses, CoreClauses):
+    """Subclass with ``backend`` set and a ``backend_config`` fixture; pytest collects the rest.
+
+    The clauses come from one mixin per concept; pytest runs them cheapest first (core, identity,
+    bytes, capabilities, concurrency), so a run with ``-x`` stops early on a plain bug.
+    """
+
+    #: Registry name or ``package.module:Class`` of the backend under test.
+    backend: ClassVar[str] = ""
+    #: Wrapper specs applied around the backend (see ``hicache_storage.wrappers.wrap``).
+    wrappers: ClassVar[list[dict[str, Any]] | None] = None
+    #: Capability fields to override for this run: declare an emulator's gaps here, never as
+    #: ``if emulator:`` in a test.
+    capability_overrides: ClassVar[dict[str, Any]] = {}
+    #: Page size used by most clauses, in bytes.
+    page_size_bytes: ClassVar[int] = 4096
+
+    # --- fixtures -----------------------------------------------------------------------------
+
+    @pytest.fixture
+    def backend_name(self) -> str:
+        """The backend under test; defaults to the ``backend`` class attribute."""
+        if not self.backend:
+            pytest.fail(f"{type(self).__name__}.backend is not set: name the backend under test", pytrace=False)
+        return self.backend
+
+    @pytest.fixture
+    def backend_config(self) -> dict[str, Any]:
+        """Override to give the backend's config (JSON-serializable: it is also sent to subprocesses)."""
+        return {}
+
+    @pytest.fixture
+    def backend_wrappers(self) -> list[dict[str, Any]] | None:
+        """Wrapper specs around the backend; defaults to the ``wrappers`` class attribute."""
+        return self.wrappers
+
+    @pytest.fixture
+    def open_backend(
+        self, backend_name: str, backend_config: dict[str, Any], backend_wrappers: list[dict[str, Any]] | None
+    ) -> Iterator[Callable[..., StorageBackend]]:
+        """A factory of backends with the configuration under test (or the config it is given);
+        each is closed afterwards."""
+        opened: list[StorageBackend] = []
+
+        def factory(config: dict[str, Any] | None = None) -> StorageBackend:
+            store = self.make_backend(backend_name, backend_config if config is None else config, backend_wrappers)
+            opened.append(store)
+            return store
+
+        yield factory
+        for store in opened:
+            store.close()
+
+    @pytest.fixture
+    def store(self, open_backend: Callable[..., StorageBackend]) -> StorageBackend:
+        return open_backend()
+
+    @pytest.fixture
+    def backdoor(self, store: StorageBackend) -> Backdoor | None:
+        """An independent read/write path into the store (see :mod:`~hicache_storage.conformance.backdoor`),
+        or ``None``. Default: the built-in one for a bare memory or file connector. Override it to
+        give your connector's (a raw client reading and writing the stored value)."""
+        return builtin_backdoor(store)
+
+    @pytest.fixture
+    def rng(self, request: pytest.FixtureRequest) -> random.Random:
+        return random.Random(request.node.nodeid)
+
+    @pytest.fixture
+    def namespace(self, store: StorageBackend) -> Iterator[Namespace]:
+        namespace = Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64)
+        yield namespace
+        if store.capabilities.clear and not store.closed:
+            store.clear(namespace)
+
+    @pytest.fixture
+    def scope(self, namespace: Namespace) -> KeyScope:
+        return KeyScope(namespace)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def make_backend(self, name: str, config: dict[str, Any], wrappers: list[dict[str, Any]] | None) -> StorageBackend:
+        store = create_backend(name, config)
+        if wrappers:
+            from hicache_storage.wrappers import wrap
+
+            store = wrap(store, wrappers)
+        if self.capability_overrides:
+            store.capabilities = replace(store.capabilities, **self.capability_overrides)
+        return store
+
+    @staticmethod
+    def require(store: StorageBackend, capability: str) -> None:
+        if not getattr(store.capabilities, capability):
+            pytest.skip(f"unsupported: the backend does not declare {capability}")
+
+    def write(self, store: StorageBackend, keys: list[PageKey], values: list[bytes]) -> None:
+        assert store.put(keys, values) == [True] * len(keys), "put did not store every page"
