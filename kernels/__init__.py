@@ -1,7 +1,8 @@
 """Transfers between the device KV (layer-first) and the host KV pool, in any host layout.
 
 ``load_layer`` (host -> device, one layer) and ``backup`` (device -> host, all layers) run as one
-Triton kernel launch on CUDA, or as torch ``index_select``/``index_copy_`` elsewhere; see
+Triton kernel launch on CUDA, or with stock torch/numpy copies elsewhere (runs of slots copied in
+place when both tensors are on the CPU); see
 ``dispatch`` for the selection rules and ``layouts`` for the layouts. Importing this package does
 not import triton.
 """

@@ -5,7 +5,9 @@ device -> host) for every :class:`~.layouts.KVLayout`:
 
 * ``"triton"``: one kernel launch per call, reading/writing the (pinned) host pool in place.
   The default when ``device_kv`` is on CUDA and triton imports.
-* ``"torch"``: ``index_select`` + ``index_copy_``; the default everywhere else (CPU).
+* ``"torch"``: the default everywhere else. Between two CPU tensors it copies runs of slots in
+  place (``cpu_transfer``); with a device KV elsewhere it stages through ``index_select`` +
+  ``index_copy_``.
 
 The choice is visible (every call returns the name of the backend it used) and overridable: the
 ``backend=`` argument first, then the ``HICACHE_KERNEL_BACKEND`` environment variable

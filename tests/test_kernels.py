@@ -516,3 +516,24 @@ def test_cpu_benchmark_reports_verified_rows_for_every_leg() -> None:
     assert len(rows) == 3 * 2 * 2  # layouts x patterns x directions
     assert all(row["verified"] and row["gbps"] > 0 and row["ratio_to_copy"] > 0 for row in rows)
     assert {row["direction"] for row in rows} == {"load", "backup"}
+
+
+def test_cpu_benchmark_script_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [
+            sys.executable, str(REPO / "benchmarks" / "kernels_cpu.py"), "--out", str(out),
+            "--layers", "2", "--heads", "1", "--head-dim", "8", "--page-size", "4", "--pages", "2",
+            "--dtypes", "float8_e4m3fn", "--layouts", "page_first", "--repeats", "1",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "kernels_cpu.json").read_text())
+    assert len(report["results"]) == 4 and all(row["verified"] for row in report["results"])
+    assert (out / "kernels_cpu.md").read_text().startswith("# CPU transfer kernels")
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "kernels_cpu.py"), "--pages", "12Q"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert bad.returncode == 2 and "--pages takes comma-separated positive integers" in bad.stderr
