@@ -12,7 +12,9 @@ A miss is never an error: reads and exists return per-key results.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -73,7 +75,61 @@ class BackendUnavailableError(RetryableError):
 
 
 class StorageTimeoutError(RetryableError):
-    """The store did not answer within the configured time."""
+    """The store did not answer within the configured time.
+
+    ``settled`` says when the inner call the caller gave up on has really returned. It is
+    ``None`` when the caller's buffers are already safe to reuse: the call never started, it had
+    no buffers, or the layer that timed out handed the store private copies. Otherwise (a
+    zero-copy timeout, see :mod:`hicache_storage.wrappers.timeout`) the store may still write
+    into the read targets or read the write sources until ``settled`` is set, so the caller must
+    leave those buffers untouched until then: wait on it, or use :meth:`when_settled`.
+    """
+
+    class Settled(threading.Event):
+        """An event set once an abandoned call returned, which also runs callbacks then."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._callbacks: list[Callable[[], object]] = []
+            self._callbacks_lock = threading.Lock()
+
+        def set(self) -> None:
+            with self._callbacks_lock:
+                super().set()
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                StorageTimeoutError._run_callback(callback)
+
+        def add_callback(self, callback: Callable[[], object]) -> None:
+            """Run ``callback`` once set: on the setting thread, or now on this one if already set."""
+            with self._callbacks_lock:
+                if not self.is_set():
+                    self._callbacks.append(callback)
+                    return
+            StorageTimeoutError._run_callback(callback)
+
+    def __init__(self, message: str, *, settled: StorageTimeoutError.Settled | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.settled = settled
+
+    def when_settled(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` once the store no longer uses the caller's buffers.
+
+        At once, on this thread, if it already does not (``settled`` is ``None`` or set);
+        otherwise on the thread where the inner call returns, right after it returned. An
+        exception from ``callback`` is logged, never raised into that thread.
+        """
+        if self.settled is None:
+            StorageTimeoutError._run_callback(callback)
+        else:
+            self.settled.add_callback(callback)
+
+    @staticmethod
+    def _run_callback(callback: Callable[[], object]) -> None:
+        try:
+            callback()
+        except Exception:  # a callback's bug must not end the store's worker thread
+            logging.getLogger(__name__).exception("a StorageTimeoutError.when_settled callback failed")
 
 
 class ThrottledError(RetryableError):

@@ -229,7 +229,7 @@ def test_unknown_key_lists_the_valid_ones():
         wrap(MemoryBackend(), [{"kind": "timeout", "second": 1}])
     message = str(caught.value)
     assert "wrapper spec #0 (timeout)" in message and "'second'" in message
-    assert "valid keys: clear_seconds, seconds, staging_cache_bytes, workers" in message
+    assert "valid keys: clear_seconds, max_abandoned, seconds, staging_cache_bytes, workers, zero_copy" in message
     assert caught.value.field == "wrapper spec #0.second"
 
 

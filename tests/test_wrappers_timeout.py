@@ -4,11 +4,13 @@ Hangs are injected with the fault wrapper and released through its event, so no 
 how long anything takes: a hung call stays hung until the test releases it.
 """
 
+import itertools
 import logging
 import threading
 
 import pytest
 
+from hicache_storage.conformance import ConformanceTests
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
     AuthenticationError,
@@ -40,6 +42,24 @@ class SpyMemory(MemoryBackend):
         self.read_targets.extend(targets)
         self.read_results.extend(results)
         return results
+
+
+class Gated(MemoryBackend):
+    """Memory connector whose first ``len(gates)`` reads each hang until the test opens their gate."""
+
+    def __init__(self, count: int):
+        super().__init__()
+        self.gates = [threading.Event() for _ in range(count)]
+        self._calls = itertools.count()
+
+    def open(self, call: int) -> None:
+        self.gates[call].set()
+
+    def _get_into(self, keys, targets):
+        call = next(self._calls)
+        if call < len(self.gates):
+            self.gates[call].wait(60)
+        return super()._get_into(keys, targets)
 
 
 def hanging(operation: str, inner=None, workers: int = 2):
@@ -123,8 +143,10 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
     store.close()
 
 
-def test_when_every_worker_is_stuck_new_calls_time_out_instead_of_queueing():
-    store, faults = hanging("get", workers=1)
+def test_beyond_max_abandoned_a_call_that_finds_no_free_worker_fails_at_once():
+    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    # Nothing may be set aside: the timed-out call keeps the one worker.
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 1, "max_abandoned": 0})
     store.put(keys(1), [b"p" * 64])
     errors = []
     caller = threading.Thread(target=lambda: errors.append(_raised(store.get, keys(1), 64)))
@@ -133,8 +155,8 @@ def test_when_every_worker_is_stuck_new_calls_time_out_instead_of_queueing():
     caller.join(30)
     assert not caller.is_alive() and isinstance(errors[0], StorageTimeoutError)
 
-    # The one worker is still stuck in the store: an exists cannot get a worker at all.
-    with pytest.raises(StorageTimeoutError, match="all 1 workers are still waiting"):
+    # The one worker is still stuck in the store: an exists cannot get a worker, and does not wait for one.
+    with pytest.raises(StorageTimeoutError, match=r"appears hung: 1 calls have not returned .*\(0 set aside"):
         store.exists(keys(1))
     assert store.stats()["timeout_busy"] == 1
     assert store.in_flight == 1
@@ -145,8 +167,100 @@ def test_when_every_worker_is_stuck_new_calls_time_out_instead_of_queueing():
     store.close()
 
 
+def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_them():
+    """More calls than workers hang for good; once the store answers again, so does the wrapper."""
+    workers = 2
+    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": 4})
+    pages = {key: bytes([i + 1]) * 256 for i, key in enumerate(keys(4))}
+    assert store.put(list(pages), list(pages.values())) == [True] * 4
+
+    hung = workers + 1
+    for _ in range(hung):  # one after the other: each gets a worker, hangs, times out
+        with pytest.raises(StorageTimeoutError, match="did not answer"):
+            store.get(keys(1), 256)
+    assert faults.wait_for_hangs(hung, timeout=30)
+    assert store.in_flight == hung  # the hung inner calls have not returned: they are still in flight
+
+    faults.pause()  # the store answers again; the hung calls stay hung
+    for _ in range(3):
+        assert store.get(list(pages), 256) == list(pages.values())
+        assert store.exists(keys(5)) == [True] * 4 + [False]
+    assert store.put(keys(6)[5:], [b"new" * 10]) == [True]
+    assert faults.hanging == hung, "the later calls must not have waited for the hung ones"
+    stats = store.stats()
+    assert stats["timeouts"] == hung and stats["timeout_busy"] == 0
+    assert stats["timeout_late_completions"] == 0
+    assert len(our_threads(store)) == workers + hung  # each set-aside call keeps its thread, replaced
+
+    faults.release_hangs()
+    assert store.wait_idle(30)
+    assert store.in_flight == 0
+    assert store.stats()["timeout_late_completions"] == hung
+    assert store.get(keys(1), 256) == [pages[keys(1)[0]]]
+    threads = our_threads(store)
+    store.close()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at_once():
+    workers, max_abandoned = 2, 3
+    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": max_abandoned})
+    store.put(keys(1), [b"b" * 64])
+    stuck = workers + max_abandoned
+    for _ in range(stuck):  # 3 set aside, then 2 that keep their workers: the bound is reached
+        with pytest.raises(StorageTimeoutError, match="did not answer"):
+            store.get(keys(1), 64)
+    assert faults.wait_for_hangs(stuck, timeout=30)
+    assert len(our_threads(store)) == workers + max_abandoned
+
+    faults.pause()  # even a store that answers again gets no call: no worker is free
+    for operation in (lambda: store.get(keys(1), 64), lambda: store.exists(keys(1))):
+        for _ in range(5):
+            with pytest.raises(StorageTimeoutError, match=rf"appears hung: {stuck} calls .*\(3 set aside, .* 2 holding"):
+                operation()
+    assert store.stats()["timeout_busy"] == 10
+    assert len(our_threads(store)) == workers + max_abandoned
+    assert faults.hanging == stuck and store.in_flight == stuck
+
+    faults.release_hangs()
+    assert store.wait_idle(30)
+    assert store.get(keys(1), 64) == [b"b" * 64]
+    threads = our_threads(store)
+    assert len(threads) <= workers + max_abandoned
+    store.close()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_when_a_set_aside_call_returns_an_overdue_one_takes_its_place_and_frees_a_worker():
+    gates = Gated(2)  # the first two reads hang, each until its own gate opens
+    store = TimeoutWrapper(gates, {"seconds": SHORT, "workers": 1, "max_abandoned": 1, "zero_copy": True})
+    store.put(keys(1), [b"g" * 32])
+    with pytest.raises(StorageTimeoutError) as first:
+        store.get(keys(1), 32)  # set aside
+    with pytest.raises(StorageTimeoutError):
+        store.get(keys(1), 32)  # the bound is reached: keeps the only worker
+    with pytest.raises(StorageTimeoutError, match="appears hung"):
+        store.exists(keys(1))
+
+    gates.open(0)
+    assert first.value.settled.wait(30)  # set after the worker's bookkeeping: the second is now set aside
+    assert store.exists(keys(1)) == [True]
+    assert store.get(keys(1), 32) == [b"g" * 32]
+    assert store.in_flight == 1 and len(our_threads(store)) <= 2
+    gates.open(1)
+    assert store.wait_idle(30)
+    store.close()
+
+
 def test_threads_stay_bounded_however_many_callers_hit_a_hung_store():
-    store, faults = hanging("exists", workers=3)
+    faults = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 3, "max_abandoned": 2})
     results = []
     callers = [threading.Thread(target=lambda: results.append(_raised(store.exists, keys(1)))) for _ in range(20)]
     for caller in callers:
@@ -154,8 +268,8 @@ def test_threads_stay_bounded_however_many_callers_hit_a_hung_store():
     for caller in callers:
         caller.join(60)
     assert all(isinstance(r, StorageTimeoutError) for r in results) and len(results) == 20
-    assert len(our_threads(store)) <= 3
-    assert faults.hanging <= 3
+    assert len(our_threads(store)) <= 5
+    assert faults.hanging <= 5
     faults.release_hangs()
     assert store.wait_idle(30)
     store.close()
@@ -277,7 +391,7 @@ def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_retu
     Whether a given call times out depends on timing; what is asserted never does.
     """
     faults = FaultInjectionWrapper(MemoryBackend(), {"seed": 5, "get": {"hang_rate": 0.3, "hang_seconds": 0.03}})
-    store = TimeoutWrapper(faults, {"seconds": 0.005, "workers": 3})
+    store = TimeoutWrapper(faults, {"seconds": 0.005, "workers": 3, "max_abandoned": 3})
     pages = {key: bytes([i + 1]) * 2048 for i, key in enumerate(keys(8))}
     for key, value in pages.items():
         faults.inner.put([key], [value])
@@ -306,5 +420,183 @@ def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_retu
     assert not wrong
     assert set_aside, "no call timed out: the test proved nothing"
     assert all(bytes(target) == sentinel for target, sentinel in set_aside)
-    assert len(our_threads(store)) <= 3
+    assert len(our_threads(store)) <= 6
     store.close()
+
+
+# --- zero-copy mode: the inner backend gets the caller's buffers, the caller waits for 'settled' ---
+
+
+class ZeroCopySpy(SpyMemory):
+    """A memory connector declaring zero-copy I/O and registration, remembering every buffer it was given."""
+
+    capabilities = MemoryBackend.capabilities.replace(zero_copy_read=True, zero_copy_write=True, buffer_registration=True)
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.write_sources = []
+        self.registered = []
+
+    def _put_from(self, keys, sources):
+        self.write_sources.extend(sources)
+        return super()._put_from(keys, sources)
+
+    def _register_buffer(self, view):
+        self.registered.append(view)
+
+
+def test_zero_copy_reads_and_writes_hand_the_callers_own_buffers_to_the_store():
+    spy = ZeroCopySpy()
+    store = TimeoutWrapper(spy, {"seconds": 30, "zero_copy": True})
+    source = bytearray(b"zero-copy page!!" * 64)
+    head, tail = bytearray(400), bytearray(624)
+    assert store.put_from(keys(1), [source]) == [True]
+    assert store.get_into(keys(1), [[head, tail]]) == [True]
+    assert bytes(head + tail) == source
+    (written,) = spy.write_sources
+    assert written[0].obj is source  # the caller's own buffer object, not a staged copy
+    (read,) = spy.read_targets
+    assert [view.obj for view in read] == [head, tail]
+    assert store._staging._free == []  # no staging buffer was ever made
+    store.close()
+
+
+def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
+    spy = ZeroCopySpy()
+    store = TimeoutWrapper(spy, {"zero_copy": True})
+    assert store.capabilities == spy.capabilities
+    pool = bytearray(4096)
+    store.register_buffer(pool)
+    assert [view.obj for view in spy.registered] == [pool]
+    store.close()
+
+    staged_spy = ZeroCopySpy()
+    staged = TimeoutWrapper(staged_spy)  # the default mode: the inner sees no caller memory
+    caps = staged.capabilities
+    assert not (caps.zero_copy_read or caps.zero_copy_write or caps.buffer_registration)
+    staged.register_buffer(pool)
+    assert staged_spy.registered == []
+    staged.close()
+
+
+def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_the_callers_buffer():
+    spy = ZeroCopySpy()
+    faults = FaultInjectionWrapper(spy, {"get": {"hang_rate": 1.0}})
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 2, "zero_copy": True})
+    page = bytes(range(256)) * 4
+    assert store.put(keys(1), [page]) == [True]
+    target = bytearray(len(page))
+
+    with pytest.raises(StorageTimeoutError) as caught:
+        store.get_into(keys(1), [target])
+    error = caught.value
+    assert error.settled is not None and not error.settled.is_set()
+    seen_when_settled = []
+    error.when_settled(lambda: seen_when_settled.append(bytes(target)))
+    assert faults.wait_for_hangs(1, timeout=30)
+    assert target == bytearray(len(page)) and seen_when_settled == []
+
+    faults.release_hangs()  # the abandoned read goes on, into the caller's buffer itself
+    assert error.settled.wait(30)
+    assert seen_when_settled == [page]  # the callback ran after the write had landed
+    assert target == page
+    assert spy.read_targets[0][0].obj is target
+    assert store.wait_idle(30)
+    assert store.stats()["timeout_late_completions"] == 1
+    late = []
+    error.when_settled(lambda: late.append("now"))  # already settled: runs at once, here
+    assert late == ["now"]
+    store.close()
+
+
+def test_a_hung_zero_copy_write_reads_the_callers_source_until_it_settles():
+    spy = ZeroCopySpy()
+    faults = FaultInjectionWrapper(spy, {"put": {"hang_rate": 1.0}})
+    store = TimeoutWrapper(faults, {"seconds": SHORT, "zero_copy": True})
+    source = bytearray(b"first" * 100)
+    with pytest.raises(StorageTimeoutError) as caught:
+        store.put_from(keys(1), [source])
+    settled = caught.value.settled
+    assert settled is not None and not settled.is_set()
+    # A caller breaking the contract (changing the source before it settles) would store this:
+    source[:] = b"later" * 100
+    faults.release_hangs()
+    assert settled.wait(30)
+    assert spy.get(keys(1), 500) == [b"later" * 100]
+    assert spy.write_sources[0][0].obj is source
+    store.close()
+
+
+def test_calls_without_buffers_and_staged_calls_carry_no_settled_event():
+    faults = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}, "get": {"hang_rate": 1.0}})
+    zero_copy = TimeoutWrapper(faults, {"seconds": SHORT, "zero_copy": True})
+    with pytest.raises(StorageTimeoutError) as exists_error:
+        zero_copy.exists(keys(1))
+    assert exists_error.value.settled is None  # no caller buffer to protect
+    staged = TimeoutWrapper(faults, {"seconds": SHORT})
+    with pytest.raises(StorageTimeoutError) as get_error:
+        staged.get(keys(1), 8)
+    assert get_error.value.settled is None  # the store only ever saw a staging buffer
+    ran = []
+    get_error.value.when_settled(lambda: ran.append(True))
+    assert ran == [True]
+    faults.release_hangs()
+    assert zero_copy.wait_idle(30) and staged.wait_idle(30)
+    zero_copy.close()
+    staged.close()
+
+
+class WorkersStartLate(TimeoutWrapper):
+    """A timeout wrapper whose worker threads start only when the test says so."""
+
+    go = None
+
+    def _start_threads(self, count):
+        go = self.go
+        threading.Thread(target=lambda: (go.wait(60), TimeoutWrapper._start_threads(self, count)), daemon=True).start()
+
+
+def test_a_call_dropped_before_a_worker_started_it_is_settled_at_once_and_never_runs():
+    spy = ZeroCopySpy()
+    store = WorkersStartLate(spy, {"seconds": SHORT, "workers": 1, "zero_copy": True})
+    store.go = threading.Event()
+    spy.put(keys(1), [b"d" * 64])
+    target = bytearray(64)
+    with pytest.raises(StorageTimeoutError) as caught:
+        store.get_into(keys(1), [target])  # no worker yet: the caller gives up on a queued call
+    assert caught.value.settled is None
+    assert store.in_flight == 0
+
+    store.go.set()  # the worker starts, finds the dropped call and skips it
+    assert store.get(keys(2)[1:], 64) == [None]
+    assert store.wait_idle(30)
+    assert len(spy.read_targets) == 1 and spy.read_targets[0][0].obj is not target
+    assert target == bytearray(64)
+    stats = store.stats()
+    assert stats["timeouts"] == 1 and stats["timeout_busy"] == 0 and stats["timeout_late_completions"] == 0
+    store.close()
+
+
+def test_pages_of_a_mebibyte_and_more_round_trip_through_staging():
+    store = TimeoutWrapper(MemoryBackend(), {"seconds": 30})
+    pages = [bytes([n]) * (3 * 2**20 + n) for n in (1, 2)]
+    assert store.put(keys(2), pages) == [True, True]
+    assert store.get(keys(2)[:1], len(pages[0])) == [pages[0]]
+    assert store.get(keys(2)[1:], len(pages[1])) == [pages[1]]  # a reused buffer, holding the first page
+    store.close()
+
+
+class TestZeroCopyTimeoutConformance(ConformanceTests):
+    backend = "memory"
+    wrappers = [{"kind": "timeout", "seconds": 60, "workers": 4, "zero_copy": True}]
+
+
+class TestZeroCopyTimeoutOnFileConformance(ConformanceTests):
+    """The file connector reads zero-copy: the suite's zero-copy clauses run through the wrapper."""
+
+    backend = "file"
+    wrappers = TestZeroCopyTimeoutConformance.wrappers
+
+    @pytest.fixture
+    def backend_config(self, tmp_path):
+        return {"root": str(tmp_path / "pages")}

@@ -2,26 +2,38 @@
 
 How a call runs
 ---------------
-Each hook call (one batch chunk) runs on one of ``workers`` daemon threads while the caller waits
-for it at most ``seconds``. If it has not finished by then the caller gets a
-:class:`~hicache_storage.errors.StorageTimeoutError` (retryable) and the worker is left to finish
-the inner call on its own; its result is discarded.
+Each hook call (one batch chunk) runs on a worker thread while the caller waits for it at most
+``seconds``. If it has not finished by then the caller gets a
+:class:`~hicache_storage.errors.StorageTimeoutError` (retryable) and the inner call is
+*abandoned*: left to finish on its own, its result discarded. A call whose caller gave up before
+a worker started it is dropped, never run late.
 
-Bounded threads
----------------
-The wrapper never has more than ``workers`` threads. A call first takes a worker slot, and a slot
-is given back only when the inner call really returns, not when its caller gives up. So when
-every worker is stuck in a hung store, new calls do not queue up behind them: they wait for a
-slot for at most ``seconds`` and then time out too (counted as ``timeout_busy``). A call that
-got a slot but whose caller timed out before a worker picked it up is dropped, never run late.
-Threads are daemons, so a store that never answers cannot keep the process from exiting.
+Hung calls are set aside, boundedly
+-----------------------------------
+At most ``workers`` calls hold a worker slot. When a caller times out, its call gives the slot
+back and a replacement worker may start, so a store that hangs on some calls keeps serving the
+others, and serves everything again once it recovers, without waiting for the hung calls to
+return. Python cannot stop a thread, so an abandoned call keeps its thread until it returns; at
+most ``max_abandoned`` calls are set aside like this. Beyond that bound a timed-out call keeps its
+slot until it returns, or until a set-aside call returns and it takes that place. A new call that
+finds no free slot then fails at once (``timeout_busy``, "appears hung") instead of waiting; one
+that finds every slot busy with calls still in time (load, not a hang) waits for a slot at most
+``seconds``, then times out too (``timeout_busy``).
 
-Caller buffers are never touched late (the correctness-critical part)
----------------------------------------------------------------------
-Python cannot cancel a running call, so an inner call that times out may still complete later.
-If it held the caller's buffers it would write a page into host memory the caller has already
-reused for something else (reads), or store bytes the caller has since overwritten (writes).
-So the inner backend never sees caller memory:
+So the wrapper has at most ``workers + max_abandoned`` threads. When an abandoned call returns,
+its thread rejoins the pool if the pool is short of ``workers`` free-running threads, and
+otherwise exits. Threads are daemons: a store that never answers cannot keep the process from
+exiting. ``in_flight`` counts calls queued or running, abandoned ones included.
+
+Caller buffers: two modes (the correctness-critical part)
+---------------------------------------------------------
+An abandoned read or write may still complete. If it held the caller's buffers it would write a
+page into host memory the caller has already reused for something else (reads), or store bytes
+the caller has since overwritten (writes). The mode decides who prevents that.
+
+**Staging (the default): the wrapper does**, for any caller, including one that reuses its
+buffers the moment a call returns, as every caller of a plain backend may. The inner backend
+never sees caller memory:
 
 * **reads** go into a private staging buffer owned by the call; only the *caller's* thread copies
   staged pages into the caller's segments, and only after the inner call finished in time. A late
@@ -33,23 +45,48 @@ So the inner backend never sees caller memory:
 Staging buffers are reused between calls (up to ``staging_cache_bytes`` kept), and a buffer goes
 back for reuse only when both its caller and its worker are done with it: a late completion still
 owns its buffer until the inner call returns, so no later call's data can be overwritten either.
+A new buffer of 1 MiB or more is not zero-filled first: it is an anonymous mapping, whose pages
+the kernel supplies on first touch, so filling it is the only pass over it. Nothing can read what
+it held before: a write's staging is overwritten in full by the copy in, and a read's staged page
+reaches the caller only when the inner call reported it found in time, that is, filled it (a
+reused buffer holds an earlier call's bytes just the same).
 
-The price is one memory copy per page in each direction, so this wrapper declares neither
-``zero_copy_read`` nor ``zero_copy_write``. For the same reason it does not pass
-``register_buffer`` on and declares no ``buffer_registration``: the inner backend never sees the
-caller's memory, so registering (pinning) it there would cost and never help. A store whose own
-client enforces deadlines and moves pages zero-copy from registered memory (Mooncake) keeps
-that path only without this wrapper.
+The price is one memory copy per page in each direction, so in this mode the wrapper declares
+neither ``zero_copy_read`` nor ``zero_copy_write``, and neither passes ``register_buffer`` on nor
+declares ``buffer_registration``: the inner backend never sees the caller's memory, so
+registering (pinning) it there would cost and never help.
+
+**Zero-copy (``zero_copy: true``): the caller does.** The inner backend reads and writes the
+caller's buffers directly, with no staging and no copy; the wrapper keeps the inner backend's
+``zero_copy_read``, ``zero_copy_write`` and ``buffer_registration``, and passes
+``register_buffer`` on (on the caller's thread and unbounded: it is set-up, and pinning a large
+pool may take longer than a page batch). In exchange, the
+:class:`~hicache_storage.errors.StorageTimeoutError` of a read or write whose inner call had
+started carries ``settled``, an event set when that call has really returned. Until then the
+store may still write into the read's targets or read the write's sources, so the caller must
+leave them untouched: not reuse, free, or lend them to anyone. ``error.when_settled(callback)``
+runs ``callback`` once that is so (at once if it already is). ``settled`` is ``None`` where
+nothing can touch the buffers any more: the call got no worker, or was dropped before one
+started it. Turn this mode on only for callers that keep the contract; the HiCache core does, by
+keeping a timed-out call's host pages pinned until it settles.
+
+Stacking: a layer above this one that catches the timeout and goes on, such as the retry wrapper,
+would hand the same buffers to a new call, or return them to its caller, while the abandoned call
+may still use them. Put no such layer between a zero-copy timeout and the caller that keeps the
+contract.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable
 from queue import SimpleQueue
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import pydantic
 
@@ -64,6 +101,10 @@ from hicache_storage.wrappers.base import BackendWrapper
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+StagingBuffer = Union[bytearray, mmap.mmap]
+
+#: Staging buffers from this size are anonymous mappings, not zero-filled bytearrays.
+_MAPPED_FROM_BYTES = 2**20
 
 
 class TimeoutConfig(BackendConfig):
@@ -72,7 +113,21 @@ class TimeoutConfig(BackendConfig):
         None, gt=0, description="longest a caller waits for clear(), which may scan the store; omit to use seconds"
     )
     workers: int = pydantic.Field(
-        8, ge=1, le=1024, description="worker threads, the most calls in flight (hung ones included)"
+        8,
+        ge=1,
+        le=1024,
+        description="worker slots: the most calls running at once, besides those set aside after a timeout",
+    )
+    max_abandoned: int | None = pydantic.Field(
+        None,
+        ge=0,
+        description="the most calls set aside after their callers timed out, each keeping a thread until the store "
+        "returns; beyond it calls fail fast while no worker is free. Omit for 4 x workers",
+    )
+    zero_copy: bool = pydantic.Field(
+        False,
+        description="hand the caller's buffers to the store (no staging copy); the caller must then leave a timed-out "
+        "read's or write's buffers untouched until its error's 'settled' is set (see the module docstring)",
     )
     staging_cache_bytes: int = pydantic.Field(
         256 * 2**20, ge=0, description="staging memory kept for reuse between calls, in bytes; 0 allocates per call"
@@ -86,7 +141,7 @@ class _Staging:
     so a buffer a late inner call still writes into is never lent to anyone else.
     """
 
-    def __init__(self, pool: _StagingPool, buffer: bytearray, sizes: list[int]) -> None:
+    def __init__(self, pool: _StagingPool, buffer: StagingBuffer, sizes: list[int]) -> None:
         self._pool, self._buffer, self._refs = pool, buffer, 2
         view, offset = memoryview(buffer), 0
         self.pages: list[Segments] = []
@@ -108,7 +163,7 @@ class _StagingPool:
     def __init__(self, limit: int) -> None:
         self.lock = threading.Lock()
         self._limit = limit
-        self._free: list[bytearray] = []
+        self._free: list[StagingBuffer] = []
         self._free_bytes = 0
 
     def lend(self, pages: list[Segments]) -> _Staging:
@@ -122,26 +177,41 @@ class _StagingPool:
             if fitting:
                 buffer = self._free.pop(min(fitting, key=lambda i: len(self._free[i])))
                 self._free_bytes -= len(buffer)
-        return _Staging(self, buffer if buffer is not None else bytearray(total), sizes)
+        return _Staging(self, buffer if buffer is not None else _new_buffer(total), sizes)
 
-    def give_back(self, buffer: bytearray) -> None:
+    def give_back(self, buffer: StagingBuffer) -> None:
         with self.lock:
-            if buffer and self._free_bytes + len(buffer) <= self._limit:
+            if len(buffer) and self._free_bytes + len(buffer) <= self._limit:
                 self._free.append(buffer)
                 self._free_bytes += len(buffer)
 
 
-class _Job:
-    """One inner call handed to a worker; ``lock`` makes 'finished' and 'abandoned' exclusive."""
+def _new_buffer(size: int) -> StagingBuffer:
+    """A buffer of ``size`` bytes that is not zero-filled in user space (module docstring: Staging)."""
+    if size >= _MAPPED_FROM_BYTES:
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return bytearray(size)
 
-    __slots__ = ("fn", "staging", "lock", "done", "abandoned", "result", "error")
+
+class _Phase(enum.Enum):
+    QUEUED = "queued"  # handed to the workers, not started
+    RUNNING = "running"
+    DONE = "done"  # the inner call returned
+    DROPPED = "dropped"  # its caller gave up before a worker started it: never runs
+
+
+class _Job:
+    """One inner call handed to a worker; its phase and flags change only under the wrapper's lock."""
+
+    __slots__ = ("fn", "staging", "phase", "timed_out", "holds_slot", "settled", "result", "error")
 
     def __init__(self, fn: Callable[[], Any], staging: _Staging | None) -> None:
         self.fn = fn
         self.staging = staging
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.abandoned = False
+        self.phase = _Phase.QUEUED
+        self.timed_out = False  # its caller gave up waiting
+        self.holds_slot = True  # False once abandoned: it no longer counts against ``workers``
+        self.settled = StorageTimeoutError.Settled()  # set once the call returned, or when dropped
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -156,15 +226,24 @@ class TimeoutWrapper(BackendWrapper):
 
     def __init__(self, inner: StorageBackend, config: TimeoutConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
-        self._slots = threading.BoundedSemaphore(self.config.workers)
+        workers = self.config.workers
+        #: The most abandoned calls set aside at once (``max_abandoned``, or 4 x ``workers``).
+        self.max_abandoned = 4 * workers if self.config.max_abandoned is None else self.config.max_abandoned
         self._queue: SimpleQueue[_Job | None] = SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._threads_lock = threading.Lock()
-        self._idle = threading.Condition()
-        self._in_flight = 0
+        # One lock for the counts below and every job's phase, so each transition is one step.
+        self._lock = threading.Condition()
+        self._live = 0  # jobs holding a worker slot: queued, running, or overdue
+        self._abandoned = 0  # timed-out jobs still running that gave their slot back
+        self._overdue: list[_Job] = []  # timed-out jobs still running that kept their slot (bound reached)
+        self._threads = 0  # worker threads started and not yet leaving
+        self._in_flight = 0  # jobs queued or running
+        self._closing = False
+        self._thread_numbers = itertools.count()
         self._staging = _StagingPool(self.config.staging_cache_bytes)
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
+        if self.config.zero_copy:
+            return inner
         return inner.replace(zero_copy_read=False, zero_copy_write=False, buffer_registration=False)
 
     # --- hooks --------------------------------------------------------------------------------
@@ -173,6 +252,8 @@ class TimeoutWrapper(BackendWrapper):
         return self._call("exists", lambda: super(TimeoutWrapper, self)._exists(keys))
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
+        if self.config.zero_copy:
+            return self._call("get", lambda: super(TimeoutWrapper, self)._get_into(keys, targets), lends_buffers=True)
         staging = self._staging.lend(targets)
         try:
             staged = staging.pages
@@ -186,6 +267,8 @@ class TimeoutWrapper(BackendWrapper):
             staging.release()
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
+        if self.config.zero_copy:
+            return self._call("put", lambda: super(TimeoutWrapper, self)._put_from(keys, sources), lends_buffers=True)
         staging = self._staging.lend(sources)
         try:
             staged = staging.pages
@@ -206,7 +289,9 @@ class TimeoutWrapper(BackendWrapper):
         self._call("clear", lambda: super(TimeoutWrapper, self)._clear(namespace), seconds)
 
     def _register_buffer(self, view: memoryview) -> None:
-        """Nothing to do: the inner backend only ever sees staging buffers (module docstring)."""
+        """Passed on in zero-copy mode only: with staging the inner backend never sees caller memory."""
+        if self.config.zero_copy:
+            super()._register_buffer(view)
 
     def _close(self) -> None:
         """Close the inner backend within ``seconds``, then let idle workers exit.
@@ -219,100 +304,179 @@ class TimeoutWrapper(BackendWrapper):
         except StorageTimeoutError as exc:
             log.warning("closing %s did not finish in time; leaving it to a worker thread: %s", self.inner.name, exc)
         finally:
-            with self._threads_lock:
-                for _ in self._threads:
-                    self._queue.put(None)
+            with self._lock:
+                self._closing = True
+                threads = self._threads
+            for _ in range(threads):
+                self._queue.put(None)
 
     # --- introspection ------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        """Inner calls that have not returned yet, including those whose callers timed out."""
-        with self._idle:
+        """Inner calls queued or not returned yet, including those whose callers timed out."""
+        with self._lock:
             return self._in_flight
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no inner call is in flight; ``False`` if ``timeout`` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+        with self._lock:
+            return self._lock.wait_for(lambda: self._in_flight == 0, timeout)
 
     # --- the runner ---------------------------------------------------------------------------
 
-    def _call(self, operation: str, fn: Callable[[], T], seconds: float | None = None, staging: _Staging | None = None) -> T:
-        """Run ``fn`` on a worker and wait for it at most ``seconds``; ``staging`` goes with the job.
+    def _call(
+        self,
+        operation: str,
+        fn: Callable[[], T],
+        seconds: float | None = None,
+        staging: _Staging | None = None,
+        lends_buffers: bool = False,
+    ) -> T:
+        """Run ``fn`` on a worker and wait for it at most ``seconds`` in all.
 
-        The job's reference to ``staging`` is released when ``fn`` returns (or when the job is
-        dropped unrun); the caller releases its own after using the results.
+        ``staging`` goes with the job: the job's reference is released when ``fn`` returns (or
+        when the job is dropped or never made); the caller releases its own after using the
+        results. ``lends_buffers``: ``fn`` uses the caller's buffers, so a timeout after it
+        started carries ``settled``.
         """
         seconds = self.config.seconds if seconds is None else seconds
         deadline = time.monotonic() + seconds
-        if not self._slots.acquire(timeout=seconds):
+        try:
+            self._take_slot(operation, seconds)
+        except StorageTimeoutError:
             if staging is not None:
                 staging.release()  # the job that would have held it never existed
-            self._count(timeout_busy=1, timeouts=1)
-            raise StorageTimeoutError(
-                f"no worker became free within {seconds:g}s: all {self.config.workers} workers are still waiting "
-                f"on calls to {self.inner.name} that have not returned (the store may be hanging); "
-                "raise the timeout's 'workers' if this is load, not a hang",
-                backend=self.name,
-                operation=operation,
-            )
+            raise
         job = _Job(fn, staging)
-        with self._idle:
+        with self._lock:
             self._in_flight += 1
-        self._start_workers()
+            missing = self._threads_missing()
+        self._start_threads(missing)
         self._queue.put(job)
-        job.done.wait(max(0.0, deadline - time.monotonic()))
-        with job.lock:
-            if not job.done.is_set():
-                job.abandoned = True
-        if job.abandoned:
-            self._count(timeouts=1)
+        job.settled.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            phase = job.phase
+            if phase is _Phase.QUEUED:
+                job.phase = _Phase.DROPPED
+                self._live -= 1
+                self._in_flight -= 1
+                self._lock.notify_all()
+            elif phase is _Phase.RUNNING:
+                job.timed_out = True
+                if self._abandoned < self.max_abandoned:
+                    self._abandon(job)
+                else:
+                    self._overdue.append(job)
+        if phase is _Phase.DONE:
+            if job.error is not None:
+                error, job.error = job.error, None  # drop the job's reference: no traceback cycle
+                raise error
+            return job.result  # type: ignore[no-any-return]
+        self._count(timeouts=1)
+        if phase is _Phase.QUEUED:
+            del job.fn  # it will never run: the worker that finds it skips it
+            if staging is not None:
+                staging.release()  # the job's reference
+            job.settled.set()
+        raise StorageTimeoutError(
+            f"{self.inner.name} did not answer within {seconds:g}s",
+            backend=self.name,
+            operation=operation,
+            settled=job.settled if lends_buffers and phase is _Phase.RUNNING else None,
+        )
+
+    def _take_slot(self, operation: str, seconds: float) -> None:
+        """Take a worker slot, waiting at most ``seconds``, or none at all while the store appears hung."""
+        workers = self.config.workers
+        with self._lock:
+            self._lock.wait_for(lambda: self._live < workers or bool(self._overdue), seconds)
+            if self._live < workers:
+                self._live += 1
+                return
+            abandoned, overdue = self._abandoned, len(self._overdue)
+        self._count(timeout_busy=1, timeouts=1)
+        if overdue:
             raise StorageTimeoutError(
-                f"{self.inner.name} did not answer within {seconds:g}s",
+                f"{self.inner.name} appears hung: {abandoned + overdue} calls have not returned after their callers "
+                f"timed out ({abandoned} set aside, the most max_abandoned={self.max_abandoned} allows, and {overdue} "
+                f"holding workers), and no worker of {workers} is free; calls fail at once until some return. "
+                "Fix or restart the store, or raise the timeout's 'max_abandoned' to set more hung calls aside",
                 backend=self.name,
                 operation=operation,
             )
-        if job.error is not None:
-            error, job.error = job.error, None  # drop the job's reference: no traceback cycle
-            raise error
-        return job.result  # type: ignore[no-any-return]
+        raise StorageTimeoutError(
+            f"no worker became free within {seconds:g}s: all {workers} workers are busy with calls to "
+            f"{self.inner.name} still in time; raise the timeout's 'workers' if this is load, not a hang",
+            backend=self.name,
+            operation=operation,
+        )
 
-    def _start_workers(self) -> None:
-        if len(self._threads) == self.config.workers:
-            return
-        with self._threads_lock:
-            while len(self._threads) < self.config.workers:
-                thread = threading.Thread(
-                    target=self._work, name=f"hicache-{self.name}-{len(self._threads)}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
+    def _abandon(self, job: _Job) -> None:
+        """Set a running, timed-out job aside: its slot is free for new calls (lock held)."""
+        job.holds_slot = False
+        self._live -= 1
+        self._abandoned += 1
+        self._lock.notify_all()
+
+    def _threads_missing(self) -> int:
+        """How many threads to start so that ``workers`` run besides those in abandoned calls.
+
+        Called with the lock held; counts them as started at once.
+        """
+        missing = self.config.workers + self._abandoned - self._threads
+        if missing <= 0:
+            return 0
+        self._threads += missing
+        return missing
+
+    def _start_threads(self, count: int) -> None:
+        for _ in range(count):
+            number = next(self._thread_numbers)
+            threading.Thread(target=self._work, name=f"hicache-{self.name}-{number}", daemon=True).start()
 
     def _work(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
+                with self._lock:
+                    self._threads -= 1
                 return
+            with self._lock:
+                if job.phase is _Phase.DROPPED:  # its caller gave up before we started: never run it late
+                    continue
+                job.phase = _Phase.RUNNING
             try:
-                with job.lock:
-                    skip = job.abandoned  # its caller gave up before we started: never run it late
-                if not skip:
-                    try:
-                        job.result = job.fn()
-                    except BaseException as exc:  # handed to the caller, who re-raises it
-                        job.error = exc
-                    with job.lock:
-                        job.done.set()
-                        late = job.abandoned
-                    if late:
-                        self._count(timeout_late_completions=1)
-                        job.result = job.error = None
-            finally:
-                if job.staging is not None:
-                    job.staging.release()
-                self._slots.release()
-                with self._idle:
-                    self._in_flight -= 1
-                    self._idle.notify_all()
+                job.result = job.fn()
+            except BaseException as exc:  # handed to the caller, who re-raises it
+                job.error = exc
+            del job.fn  # its closure holds the caller's buffers: keep no reference past the call
+            if self._finish(job):
+                return
 
+    def _finish(self, job: _Job) -> bool:
+        """Account for a returned job and settle it; ``True`` if this thread should exit."""
+        leave = False
+        with self._lock:
+            job.phase = _Phase.DONE
+            self._in_flight -= 1
+            if job.holds_slot:
+                self._live -= 1
+                if job.timed_out:
+                    self._overdue.remove(job)
+            else:
+                self._abandoned -= 1
+                if self._overdue:  # the longest overdue call is set aside in this one's place
+                    self._abandon(self._overdue.pop(0))
+                elif self._closing or self._threads > self.config.workers + self._abandoned:
+                    self._threads -= 1
+                    leave = True
+            self._lock.notify_all()
+        staging, job.staging = job.staging, None
+        if staging is not None:
+            staging.release()
+        if job.timed_out:  # read after DONE, when nothing changes it any more
+            self._count(timeout_late_completions=1)
+            job.result = job.error = None
+        job.settled.set()
+        return leave
