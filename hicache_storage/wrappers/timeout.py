@@ -70,10 +70,11 @@ nothing can touch the buffers any more: the call got no worker, or was dropped b
 started it. Turn this mode on only for callers that keep the contract; the HiCache core does, by
 keeping a timed-out call's host pages pinned until it settles.
 
-Stacking: a layer above this one that catches the timeout and goes on, such as the retry wrapper,
-would hand the same buffers to a new call, or return them to its caller, while the abandoned call
-may still use them. Put no such layer between a zero-copy timeout and the caller that keeps the
-contract.
+Stacking: every layer between a zero-copy timeout and the caller that keeps the contract must keep
+it too. The retry wrapper does not (it catches the timeout and retries into the same buffers, or
+returns them to its caller, while the abandoned call may still use them), nor does the integrity
+wrapper (its trailer slots go back to its pool when the call fails). With zero-copy, put them below
+this one, ``timeout(retry(integrity(store)))``, where every try runs within the one bounded call.
 """
 
 from __future__ import annotations
