@@ -69,7 +69,9 @@ def hanging(operation: str, inner=None, workers: int = 2):
 
 
 def our_threads(store: TimeoutWrapper) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(f"hicache-{store.name}-")]
+    """The live worker threads of this very store (an earlier test's store may have the same name)."""
+    named = [t for t in threading.enumerate() if t.name.startswith(f"hicache-{store.name}-")]
+    return [t for t in named if getattr(getattr(t, "_target", None), "__self__", None) is store]
 
 
 def test_a_hung_read_times_out_and_its_late_completion_never_writes_the_callers_buffer():
