@@ -89,5 +89,5 @@ def builtin_backdoor(store: StorageBackend) -> Backdoor | None:
     except ImportError:
         return None
     if isinstance(store, FileBackend):
-        return FileBackdoor(store.config.root)
+        return FileBackdoor(getattr(store, "_root", store.config.root))
     return None

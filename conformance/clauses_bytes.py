@@ -92,8 +92,8 @@ class ByteClauses:
     ) -> None:
         """What put stored is the caller's bytes under the caller's key, read without the connector."""
         backdoor = self.require_backdoor(backdoor)
-        sizes = (1, 4096, 65543)
-        keys = [scope.key(random_hash(rng)) for _ in sizes]
+        sizes, digits = (1, 4096, 65543), (8, 128, 64)
+        keys = [scope.key(random_hash(rng, n)) for n in digits]
         pages = [page_for(k, size) for k, size in zip(keys, sizes)]
         segmented = [[page[: len(page) // 3], page[len(page) // 3 :]] for page in pages]
         assert store.put_from(keys, segmented) == [True] * len(keys)
