@@ -31,11 +31,22 @@ leased (it is still stored). ``clear`` first waits until this instance's own lea
 namespace have expired; a page another client read within the last ``lease_ttl_s`` may survive
 it. Set ``lease_ttl_s`` to the master's lease TTL.
 
-Where bytes live: Mooncake puts each object in a randomly chosen mounted segment, and a segment
-lives as long as the client that mounted it. With ``global_segment_size=0`` this client mounts
-nothing and its pages live in the storage nodes, so they outlive it (``persistent``); with a
-segment, some of its pages vanish when it exits. A master restart forgets every object: reads
-of earlier pages are then misses, never wrong bytes.
+Where bytes live, and so which capabilities hold (declared per configuration): Mooncake puts
+each object in a randomly chosen mounted segment, and a segment lives as long as the client that
+mounted it (a client unmounts its segment when it closes, and the master drops its objects).
+
+* ``global_segment_size`` > 0 (the default 4 GiB; how SGLang instances run Mooncake when each
+  contributes memory): a page lives in some client's segment, possibly its writer's. Another
+  *live* process sees it (``shared_across_processes``, ``shared_across_hosts``), but it may leave
+  with its writer: ``persistent`` and ``outlives_writer`` are not declared.
+* ``global_segment_size=0``, with dedicated storage nodes (e.g. ``mooncake_client`` processes,
+  each mounting its memory): this client mounts nothing, so its pages live on the storage nodes
+  and survive its exit and restart: ``persistent`` and ``outlives_writer`` are declared. The pages
+  then live as long as those nodes; if the only segments are other engines' own, they leave with
+  those engines instead.
+
+A master restart forgets every object in either deployment: reads of earlier pages are then
+misses, never wrong bytes.
 
 Return codes (negative ints from the client) map to results and errors as follows:
 
@@ -74,7 +85,7 @@ from urllib.parse import urlparse
 import pydantic
 
 from hicache_storage.backend import StorageBackend
-from hicache_storage.buffers import Segments, fill_segments, segments_size
+from hicache_storage.buffers import Segments, fill_segments, join_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
@@ -217,8 +228,11 @@ class MooncakeBackend(StorageBackend):
                 field="master_server_address",
                 backend=self.name,
             )
+        # With no segment of its own, this client's pages live elsewhere and outlive it; see
+        # "Where bytes live" in the module docstring.
+        lives_elsewhere = cfg.global_segment_size == 0
         self.capabilities = self.capabilities.replace(
-            max_value_size=cfg.staging_buffer_size, persistent=cfg.global_segment_size == 0
+            max_value_size=cfg.staging_buffer_size, persistent=lives_elsewhere, outlives_writer=lives_elsewhere
         )
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -264,6 +278,31 @@ class MooncakeBackend(StorageBackend):
         return [code == 1 for code in codes]
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
+        # Mooncake fills one target per distinct key of a batch (0.3.13: the last; it returns the
+        # size for every repeat, the others untouched): read each key once per target size, then
+        # copy its bytes into the repeats.
+        first: dict[tuple[str, int], int] = {}
+        repeats: list[tuple[int, int]] = []
+        for i, (key, target) in enumerate(zip(keys, targets)):
+            identity = (self._object_key(key), segments_size(target))
+            if identity in first:
+                repeats.append((i, first[identity]))
+            else:
+                first[identity] = i
+        if not repeats:
+            return self._get_distinct(keys, targets)
+        distinct = list(first.values())
+        results = [False] * len(keys)
+        for i, hit in zip(distinct, self._get_distinct([keys[i] for i in distinct], [targets[i] for i in distinct])):
+            results[i] = hit
+        for i, source in repeats:
+            if results[source]:
+                fill_segments(targets[i], join_segments(targets[source]))
+                results[i] = True
+        return results
+
+    def _get_distinct(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
+        """``_get_into`` for a batch in which no key repeats with the same target size."""
         self._note_leases(keys)
         results = [False] * len(keys)
         direct: list[int] = []

@@ -32,6 +32,8 @@ def configurations(stack: ExitStack, scratch: Path) -> dict[str, tuple[str, dict
     cluster = started(stack, RedisCluster(nodes=3))
     seaweed = started(stack, SeaweedFS())
     mooncake = started(stack, MooncakeMaster())
+    # The deployment without storage nodes: each client brings its own segment (SGLang's default).
+    mooncake_plain = started(stack, MooncakeMaster(storage_node=False))
     s3 = {"bucket": seaweed.bucket, "endpoint_url": seaweed.endpoint_url, "region": seaweed.region,
           "access_key_id": seaweed.access_key, "secret_access_key": seaweed.secret_key, "prefix": "conformance/"}
     return {
@@ -42,6 +44,7 @@ def configurations(stack: ExitStack, scratch: Path) -> dict[str, tuple[str, dict
         "redis-cluster": ("redis", {"url": cluster.url, "cluster": True}),
         "s3": ("s3", s3),
         "mooncake": ("mooncake", mooncake.client_config()),
+        "mooncake-per-client-segment": ("mooncake", mooncake_plain.client_config(256 * 2**20)),
         "hf3fs": ("hf3fs", {"root": str(scratch / "hf3fs"), "file_size": 256 * 2**20, "numjobs": 2, "page_size_bytes": 2**20}),
         "hf3fs-redis-index": ("hf3fs", {"root": str(scratch / "hf3fs-r"), "file_size": 256 * 2**20, "numjobs": 2,
                                         "page_size_bytes": 2**20, "metadata_url": redis.url}),

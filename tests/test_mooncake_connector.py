@@ -221,6 +221,112 @@ def test_two_processes_share_pages(mooncake_master: MooncakeMaster, store: Moonc
     assert store.get(scope.keys(theirs), 4096) == [their_value[:4096], their_value[4096:]]
 
 
+# --- deployments: where a page lives decides what is declared -----------------------------------
+
+#: A client that contributes its own segment, as SGLang instances do by default (4 GiB there).
+CLIENT_SEGMENT = 256 * 2**20
+
+WRITER = textwrap.dedent(
+    """
+    import json, sys
+    from hicache_storage.connectors.mooncake import MooncakeBackend
+    from hicache_storage.keys import KeyScope, Namespace
+
+    request = json.loads(sys.stdin.readline())
+    scope = KeyScope(Namespace(**request["namespace"]))
+    with MooncakeBackend(request["config"]) as store:
+        stored = store.put(scope.keys(request["write"]), [bytes.fromhex(request["value"])])
+        print(json.dumps({"stored": stored}), flush=True)
+        sys.stdin.readline()  # stay alive, segment mounted, until told to exit
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def plain_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A master and no storage node: every byte lives in some client's own segment."""
+    master = MooncakeMaster(tmp_path_factory.mktemp("plain-master"), storage_node=False)
+    master.start()
+    yield master
+    master.stop()
+
+
+def test_capabilities_follow_the_deployment(mooncake_master: MooncakeMaster) -> None:
+    with MooncakeBackend(mooncake_master.client_config()) as no_segment:
+        caps = no_segment.capabilities
+        assert caps.persistent and caps.outlives_writer and caps.shared_across_processes
+    with MooncakeBackend(mooncake_master.client_config(CLIENT_SEGMENT)) as own_segment:
+        caps = own_segment.capabilities
+        assert not caps.persistent and not caps.outlives_writer
+        assert caps.shared_across_processes and caps.shared_across_hosts
+    assert MooncakeConfig.parse({"master_server_address": "h:1"}).global_segment_size > 0, (
+        "the default is a per-client segment, so the default declares neither"
+    )
+
+
+@pytest.mark.slow
+def test_per_client_segment_a_peer_page_is_visible_while_the_peer_lives(plain_master: MooncakeMaster, scope: KeyScope) -> None:
+    """No storage node: a peer's page is in the peer's segment. Another process reads it while the
+    peer runs (shared_across_processes); once the peer exits the page is gone, a miss and never
+    wrong bytes, which is why this deployment does not declare outlives_writer."""
+    [theirs] = hashes(1, 21)
+    value = os.urandom(4096)
+    request = {
+        "config": plain_master.client_config(CLIENT_SEGMENT),
+        "namespace": {k: v for k, v in scope.namespace.describe().items() if k != "fingerprint"},
+        "write": [theirs],
+        "value": value.hex(),
+    }
+    peer = subprocess.Popen(
+        [sys.executable, "-c", WRITER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=plain_master.client_env(),
+    )
+    assert peer.stdin is not None and peer.stdout is not None
+    # This reader mounts no segment, so the page can only be in the peer's.
+    with MooncakeBackend(plain_master.client_config()) as reader:
+        try:
+            peer.stdin.write(json.dumps(request) + "\n")
+            peer.stdin.flush()
+            line = peer.stdout.readline()
+            assert line, f"the peer failed:\n{peer.stderr.read()[-3000:]}"
+            assert json.loads(line) == {"stored": [True]}
+            assert reader.exists(scope.keys([theirs])) == [True]
+            assert reader.get(scope.keys([theirs]), 4096) == [value]
+        finally:
+            _, stderr = peer.communicate("exit\n", timeout=120)
+        assert peer.returncode == 0, stderr[-3000:]
+        assert reader.get(scope.keys([theirs]), 4096) == [None], "the page left with its writer's segment"
+        assert reader.exists(scope.keys([theirs])) == [False]
+
+
+@pytest.mark.slow
+def test_suite_on_per_client_segments_proves_what_is_declared(plain_master: MooncakeMaster, tmp_path: Any) -> None:
+    """The suite on the deployment without storage nodes, through the CLI, on the clauses whose
+    outcome depends on where bytes live (the whole suite on it: scripts/conformance_reports.py;
+    each clause here closes a client that unmounts a segment, about 2 s a clause)."""
+    clauses = "visible_across_processes or outlive or persistence_across_instances or roundtrip_segments or batch_order"
+    result = subprocess.run(
+        [sys.executable, "-m", "hicache_storage.cli", "conformance", "mooncake"]
+        + ["--config", json.dumps(plain_master.client_config(CLIENT_SEGMENT)), "-k", clauses]
+        + ["--report-dir", str(tmp_path), "--report-name", "per-client-segment"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=plain_master.client_env(),
+    )
+    report = json.loads((tmp_path / "per-client-segment.json").read_text())
+    outcomes = {r["clause"]: r["outcome"] for r in report["results"]}
+    assert result.returncode == 0, f"{outcomes}\n{result.stdout[-3000:]}"
+    assert outcomes["test_visible_across_processes"] == "passed"
+    assert outcomes["test_pages_outlive_their_writer_process"] == "unsupported"
+    assert outcomes["test_persistence_across_instances"] == "unsupported"
+    assert report["capabilities"]["shared_across_processes"] and not report["capabilities"]["outlives_writer"]
+
+
 # --- faults -------------------------------------------------------------------------------------
 
 

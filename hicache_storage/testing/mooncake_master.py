@@ -80,6 +80,10 @@ def ensure_installed() -> Path:
 class MooncakeMaster(ServerProcess):
     """``mooncake_master`` with its HTTP metadata server, plus one storage node, on 127.0.0.1.
 
+    With ``storage_node=False``, the master alone: the deployment where every client contributes
+    its own segment (``global_segment_size`` > 0, as SGLang instances run by default), so pages
+    live only as long as the client whose segment holds them.
+
     ``master_server_addr`` (``"127.0.0.1:PORT"``) and ``metadata_server``
     (``"http://127.0.0.1:PM/metadata"``) are what a client's ``setup`` takes. The ports are
     chosen once, so :meth:`restart` brings the master back at the same addresses.
@@ -105,10 +109,12 @@ class MooncakeMaster(ServerProcess):
         *,
         lease_ttl_ms: int | None = DEFAULT_LEASE_TTL_MS,
         node_segment_bytes: int = 256 * 1024 * 1024,
+        storage_node: bool = True,
     ) -> None:
         super().__init__("mooncake-master", workdir)
         self.lease_ttl_ms = lease_ttl_ms
         self.node_segment_bytes = node_segment_bytes
+        self.storage_node = storage_node
         self._pick_ports()
         self.node = ServerProcess("mooncake-node", self.workdir)
 
@@ -126,14 +132,15 @@ class MooncakeMaster(ServerProcess):
     def metadata_server(self) -> str:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
-    def client_config(self) -> dict[str, object]:
-        """A ``mooncake`` connector config for this master: no local segment, short staging."""
+    def client_config(self, segment_bytes: int = 0) -> dict[str, object]:
+        """A ``mooncake`` connector config for this master: by default no local segment (pages
+        go to the storage node); ``segment_bytes`` for a client that contributes its own."""
         config: dict[str, object] = {
             "master_server_address": self.master_server_addr,
             "metadata_server": self.metadata_server,
             "local_hostname": "127.0.0.1",
             "protocol": "tcp",
-            "global_segment_size": 0,
+            "global_segment_size": segment_bytes,
             "local_buffer_size": 16 * 1024 * 1024,
         }
         if self.lease_ttl_ms is not None:
@@ -145,7 +152,7 @@ class MooncakeMaster(ServerProcess):
         return {**os.environ, **CLIENT_ENV}
 
     def start(self, attempts: int = 3) -> None:
-        """Start the master and the storage node; return once the node's segment is mounted.
+        """Start the master (and the storage node, if any); return once the node's segment is mounted.
 
         A free port can be taken by another process between choosing and binding it; a failed
         start is retried on new ports (``restart`` keeps its ports and does not retry).
@@ -153,9 +160,10 @@ class MooncakeMaster(ServerProcess):
         for attempt in range(attempts):
             try:
                 self._start_master()
-                if not self.node.running():
-                    self._start_node()
-                self._wait_mounted()
+                if self.storage_node:
+                    if not self.node.running():
+                        self._start_node()
+                    self._wait_mounted()
                 return
             except ServiceError:
                 self.stop()
@@ -184,7 +192,8 @@ class MooncakeMaster(ServerProcess):
             super().stop()
         try:
             self._start_master()
-            self._wait_mounted()
+            if self.storage_node:
+                self._wait_mounted()
         except ServiceError:
             self.stop()
             raise
