@@ -10,23 +10,18 @@ so ``runs`` calls; a backup moves every layer of a run in one call), small next 
 Slots left in runs shorter than :data:`MIN_RUN_SLOTS` (scattered slots, odd alignments) move with
 one vectorized row gather and scatter instead, so any order and alignment still work.
 
-Large transfers are split into chunks of runs that the calling thread and up to
-``torch.get_num_threads() - 1`` helper threads claim one at a time (numpy releases the GIL while
-it copies). The calling thread never waits for a helper to start: a helper that is not scheduled
-(a busy machine) claims nothing and the caller copies everything itself, which is why this does
-not use torch's intra-op pool, whose static split waits for every thread. Calls are thread-safe
-and complete before returning.
+Everything runs on the calling thread, and calls are thread-safe (each builds its own views; the
+only shared state is a per-thread plan cache). Splitting a transfer across helper threads
+(numpy releases the GIL while it copies) was measured and lost here: on 2 shared cores with the
+engine's compute thread beside the loader, a helper descheduled mid-chunk holds up the whole
+call, and the serial copies were faster in 42 of 48 benchmark cases (``docs/kernels.md``).
 
 Tensors are viewed as bytes: values are never converted (NaN payloads and float8 codes survive).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,11 +32,6 @@ from .layouts import RowMap, TransferGeometry
 #: Runs shorter than this many slots move with the row gather/scatter (one call per run would
 #: cost more than the row copies it saves).
 MIN_RUN_SLOTS = 4
-#: Transfers smaller than this stay on the calling thread (waking a helper costs more).
-PARALLEL_MIN_BYTES = 2 << 20
-#: Bytes a thread claims at a time: small enough that a helper descheduled mid-chunk delays the
-#: call by little, large enough that claiming costs nothing measurable.
-CHUNK_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -117,22 +107,17 @@ def load_layer(
     device = _device_view(device_kv, geometry)
     host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
     device_layer = device[:, layer]
-    if runs.lengths:
-        if hmap.block == 1:
-            host_layer = _slot_view(host_rows, geometry)[:, :, layer]
-
-            def copy_run(d: int, h: int, n: int) -> None:
-                np.copyto(device_layer[:, d : d + n], host_layer[:, h : h + n])
-
-        else:
-            host_blocks = _block_view(host_rows, geometry)
-            block = hmap.block
-
-            def copy_run(d: int, h: int, n: int) -> None:
-                offset = h % block
-                np.copyto(device_layer[:, d : d + n], host_blocks[:, h // block, layer, offset : offset + n])
-
-        _copy_runs(runs, copy_run, geometry.halves * device.shape[-1])
+    run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
+    if hmap.block == 1:
+        host_layer = _slot_view(host_rows, geometry)[:, :, layer]
+        for d, h, n in run_list:
+            np.copyto(device_layer[:, d : d + n], host_layer[:, h : h + n])
+    else:
+        host_blocks = _block_view(host_rows, geometry)
+        block = hmap.block
+        for d, h, n in run_list:
+            offset = h % block
+            np.copyto(device_layer[:, d : d + n], host_blocks[:, h // block, layer, offset : offset + n])
     if runs.device_rest.size:
         rows = device.reshape(geometry.halves, -1, device.shape[-1])
         device_rows = runs.device_rest + layer * geometry.device_slots
@@ -152,23 +137,18 @@ def backup(
     runs = plan_runs(device_indices, host_indices, hmap.block)
     device = _device_view(device_kv, geometry)
     host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
-    if runs.lengths:
-        if hmap.block == 1:
-            # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
-            host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
-
-            def copy_run(d: int, h: int, n: int) -> None:
-                np.copyto(host_layers[:, :, h : h + n], device[:, :, d : d + n])
-
-        else:
-            host_blocks = _block_view(host_rows, geometry)
-            block = hmap.block
-
-            def copy_run(d: int, h: int, n: int) -> None:
-                offset = h % block
-                np.copyto(host_blocks[:, h // block, :, offset : offset + n], device[:, :, d : d + n])
-
-        _copy_runs(runs, copy_run, geometry.halves * geometry.layers * device.shape[-1])
+    run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
+    if hmap.block == 1:
+        # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
+        host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
+        for d, h, n in run_list:
+            np.copyto(host_layers[:, :, h : h + n], device[:, :, d : d + n])
+    else:
+        host_blocks = _block_view(host_rows, geometry)
+        block = hmap.block
+        for d, h, n in run_list:
+            offset = h % block
+            np.copyto(host_blocks[:, h // block, :, offset : offset + n], device[:, :, d : d + n])
     if runs.device_rest.size:
         layers = np.arange(geometry.layers, dtype=np.int64)[:, None]
         device_rows = (layers * geometry.device_slots + runs.device_rest).reshape(-1)
@@ -225,84 +205,3 @@ def _host_row_numbers(rows: RowMap, slots: np.ndarray, layer: int | np.ndarray) 
         + (slots % rows.block) * rows.in_block_stride
         + layer * rows.layer_stride
     )
-
-
-def _copy_runs(runs: Runs, copy_run: Callable[[int, int, int], None], bytes_per_slot: int) -> None:
-    """Call ``copy_run(device_start, host_start, length)`` over every run, on several threads when
-    the transfer is large enough (see the module docstring); long runs are cut into chunk-sized
-    pieces so that one long run is shared too."""
-    triples = list(zip(runs.device_starts, runs.host_starts, runs.lengths))
-    total = sum(runs.lengths) * bytes_per_slot
-    helpers = min(torch.get_num_threads(), _MAX_THREADS) - 1
-    if helpers < 1 or total < PARALLEL_MIN_BYTES:
-        for d, h, n in triples:
-            copy_run(d, h, n)
-        return
-    piece = max(1, CHUNK_BYTES // bytes_per_slot)
-    pieces = [(d + i, h + i, min(piece, n - i)) for d, h, n in triples for i in range(0, n, piece)]
-    per_chunk = max(1, CHUNK_BYTES * len(pieces) // total)
-    chunks = [pieces[i : i + per_chunk] for i in range(0, len(pieces), per_chunk)]
-
-    def copy_chunk(index: int) -> None:
-        for d, h, n in chunks[index]:
-            copy_run(d, h, n)
-
-    work = _SharedWork(len(chunks), copy_chunk)
-    pool = _helper_pool()
-    for _ in range(min(helpers, len(chunks) - 1)):
-        pool.submit(work.run)
-    work.run()
-    work.wait()
-
-
-class _SharedWork:
-    """``count`` numbered tasks that any thread calling :meth:`run` claims one at a time."""
-
-    def __init__(self, count: int, task: Callable[[int], None]) -> None:
-        self._task = task
-        self._count = count
-        self._claims = itertools.count()  # next() on it is atomic under the GIL
-        self._left = count
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        while (index := next(self._claims)) < self._count:
-            try:
-                self._task(index)
-            except BaseException as exc:  # re-raised on the calling thread by wait()
-                self._error = self._error or exc
-            with self._lock:
-                self._left -= 1
-                if self._left == 0:
-                    self._done.set()
-
-    def wait(self) -> None:
-        """Block until every task has finished (claimed by whichever thread), then re-raise the
-        first error one of them raised."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-
-_MAX_THREADS = os.cpu_count() or 1
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _helper_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _MAX_THREADS - 1), thread_name_prefix="hicache-copy")
-        return _pool
-
-
-def _forget_pool_in_child() -> None:
-    """A forked child inherits the pool object but not its threads: start a new one on demand."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)

@@ -400,20 +400,6 @@ def stretches(device_pages: int, host_pages: int, count: int, generator: torch.G
     return chosen[0][:both], chosen[1][:both]
 
 
-@pytest.fixture
-def forced_parallel(monkeypatch):
-    """Every transfer split in one-run chunks and offered to helper threads, whatever its size."""
-    from hicache_storage.kernels import cpu_transfer
-
-    monkeypatch.setattr(cpu_transfer, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(cpu_transfer, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(cpu_transfer, "_MAX_THREADS", 4)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    yield
-    torch.set_num_threads(threads)
-
-
 def assert_matches_oracle(case: Case, device_kv, host_kv, device_idx, host_idx) -> None:
     want_device, want_host = expected_after(case, device_kv, host_kv, device_idx, host_idx)
     loaded = device_kv.clone()
@@ -433,13 +419,10 @@ def assert_matches_oracle(case: Case, device_kv, host_kv, device_idx, host_idx) 
     assert not torch.equal(as_bits(backed_up), as_bits(host_kv))
 
 
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("pattern", ["coalesced", "fragmented", "stretches", "mixed"])
 @pytest.mark.parametrize("layout", list(KVLayout), ids=[layout.value for layout in KVLayout])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_cpu_page_runs_match_the_oracle(request, layout: KVLayout, pattern: str, mla: bool, parallel: bool) -> None:
-    if parallel:
-        request.getfixturevalue("forced_parallel")
+def test_cpu_page_runs_match_the_oracle(layout: KVLayout, pattern: str, mla: bool) -> None:
     seed = hash((layout.value, pattern, mla)) % 10_000
     dtype = DTYPES[seed % len(DTYPES)]
     page_size = (16, 64)[seed % 2]
@@ -451,7 +434,7 @@ def test_cpu_page_runs_match_the_oracle(request, layout: KVLayout, pattern: str,
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_page_runs_move_bits_of_every_dtype(dtype: torch.dtype, forced_parallel) -> None:
+def test_cpu_page_runs_move_bits_of_every_dtype(dtype: torch.dtype) -> None:
     for layout in KVLayout:
         case = Case(layout, dtype, 2, 2, 2, 8, 4, 12, 10, "pages", 3)
         generator = torch.Generator().manual_seed(5)
@@ -485,24 +468,6 @@ def test_plan_reuse_never_returns_a_stale_plan_after_an_in_place_change() -> Non
     host_idx.numpy()[:] = torch.arange(16, 24).numpy()  # same tensor, same version counter, new contents
     load_layer(loaded, host_kv, layer=1, **args)
     assert torch.equal(as_bits(loaded[:, 1, 8:16]), as_bits(host_kv[:, 16:24, 1]))
-
-
-def test_an_error_in_a_claimed_chunk_reaches_the_caller() -> None:
-    from hicache_storage.kernels.cpu_transfer import _SharedWork, _helper_pool
-
-    done: list[int] = []
-
-    def task(index: int) -> None:
-        if index == 3:
-            raise RuntimeError("chunk 3 failed")
-        done.append(index)
-
-    work = _SharedWork(8, task)
-    _helper_pool().submit(work.run)
-    work.run()
-    with pytest.raises(RuntimeError, match="chunk 3 failed"):
-        work.wait()
-    assert sorted(done) == [0, 1, 2, 4, 5, 6, 7]
 
 
 def test_cpu_benchmark_reports_verified_rows_for_every_leg() -> None:
