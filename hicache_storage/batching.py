@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from typing import TypeVar
 
@@ -27,3 +27,14 @@ def _outcome(fn: Callable[[T], R], item: T) -> tuple[R | None, BaseException | N
         return fn(item), None
     except Exception as exc:
         return None, exc
+
+
+def last_write_positions(keys: Sequence[Hashable]) -> list[int]:
+    """For each position, the position of its key's last occurrence in the batch.
+
+    A batch that names a key twice must end with the key's last value (the contract: the last
+    write wins). Run in parallel, the writes of one key would race; a connector writes only the
+    positions in this list and gives every position its key's last write's result.
+    """
+    last = {key: i for i, key in enumerate(keys)}
+    return [last[key] for key in keys]
