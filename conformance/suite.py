@@ -17,6 +17,12 @@ Clauses that need a capability the backend does not declare are skipped with a r
 ``unsupported:``; the suite then checks that the operation raises ``UnsupportedOperationError``
 instead. Every test uses a fresh random namespace, so runs against a shared server never
 interfere, and clears it afterwards where the backend can.
+
+Optional fixtures a connector's test class may override: ``backdoor`` (an independent read/write
+path into the store, :mod:`~hicache_storage.conformance.backdoor`) and ``ttl_backend_config``
+(a config under which pages expire, for a backend that declares ``ttl``). The clauses live in
+one mixin per concept: this module's core, ``clauses_identity``, ``clauses_bytes``,
+``clauses_capabilities`` and ``clauses_concurrency``.
 """
 
 from __future__ import annotations
