@@ -138,7 +138,11 @@ def backup(
     device = _device_view(device_kv, geometry)
     host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
     run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
-    if hmap.block == 1:
+    interleaved = hmap.block == 1 and hmap.layer_stride == 1  # page_first: a slot's layers side by side
+    word = _word_bytes(device_kv, host_kv, device.shape[-1]) if interleaved else None
+    if word is not None:
+        _backup_interleaved(device_kv, host_kv, geometry, runs, word)
+    elif hmap.block == 1:
         # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
         host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
         for d, h, n in run_list:
@@ -155,6 +159,60 @@ def backup(
         host_row_numbers = _host_row_numbers(hmap, runs.host_rest, layers).reshape(-1)
         rows = device.reshape(geometry.halves, -1, device.shape[-1])
         host_rows[:, host_row_numbers] = rows[:, device_rows]
+
+
+def _backup_interleaved(
+    device_kv: torch.Tensor, host_kv: torch.Tensor, geometry: TransferGeometry, runs: Runs, word: int
+) -> None:
+    """Back up runs into a host pool whose layers are interleaved per slot (page_first) with torch
+    ``copy_`` on views of ``word``-byte integers.
+
+    Writing a page from all its layers is a transpose at row granularity; torch's strided copy
+    does it about 1.5x faster than ``numpy.copyto`` here (0.65 vs 0.45 of a contiguous copy on
+    one thread). Each ``copy_`` stays under torch's parallel grain, so it never starts the
+    intra-op thread pool (see the module docstring).
+    """
+    dtype = _SAME_WIDTH_INT[word]
+    width = geometry.row_elems * device_kv.element_size() // word
+    halves, layers = geometry.halves, geometry.layers
+    device = _words(device_kv, dtype).view(halves, layers, geometry.device_slots, width)
+    hmap = geometry.host_rows
+    host = _words(host_kv, dtype).as_strided(
+        (halves, layers, geometry.host_slots, width),
+        (hmap.rows_per_half * width, hmap.layer_stride * width, hmap.block_stride * width, 1),
+    )
+    slots_per_piece = max(1, _SERIAL_ELEMENTS // (halves * width))
+    for d, h, n in zip(runs.device_starts, runs.host_starts, runs.lengths):
+        for start in range(0, n, slots_per_piece):
+            count = min(slots_per_piece, n - start)
+            layers_per_piece = max(1, _SERIAL_ELEMENTS // (halves * count * width))
+            for layer in range(0, layers, layers_per_piece):
+                end = layer + layers_per_piece
+                host[:, layer:end, h + start : h + start + count].copy_(
+                    device[:, layer:end, d + start : d + start + count]
+                )
+
+
+#: Elements below which torch copies on the calling thread (``at::internal::GRAIN_SIZE``).
+_SERIAL_ELEMENTS = 32768 - 1
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor``'s bytes as a flat tensor of ``dtype`` (sizes and offset already checked)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).view(dtype)
+
+
+def _word_bytes(device_kv: torch.Tensor, host_kv: torch.Tensor, row_bytes: int) -> int | None:
+    """Widest of 8/4/2 bytes dividing a row and both tensors' offsets, or None."""
+    for word in (8, 4, 2):
+        aligned = all(
+            (tensor.storage_offset() * tensor.element_size()) % word == 0 and tensor.data_ptr() % word == 0
+            for tensor in (device_kv, host_kv)
+        )
+        if row_bytes % word == 0 and aligned:
+            return word
+    return None
 
 
 def _rows(tensor: torch.Tensor, halves: int, rows_per_half: int) -> np.ndarray:
