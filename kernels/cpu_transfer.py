@@ -6,6 +6,9 @@ host page). A run of one layer is one strided block in each tensor, so it moves 
 ``numpy.copyto`` from source to destination: no staging buffer, no per-element index kernel, a
 ``memmove`` per row or per page-layer. The Python cost is one call per run (a load moves one layer,
 so ``runs`` calls; a backup moves every layer of a run in one call), small next to a page's bytes.
+One exception: a page_first backup (each page written from all its layers, a transpose at row
+granularity) uses torch's strided ``copy_``, measured 1.5x faster at that pattern, in pieces
+small enough that torch copies them on the calling thread.
 
 Slots left in runs shorter than :data:`MIN_RUN_SLOTS` (scattered slots, odd alignments) move with
 one vectorized row gather and scatter instead, so any order and alignment still work.
