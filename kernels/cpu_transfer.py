@@ -50,14 +50,14 @@ class Runs:
 
 
 def plan_runs(device_indices: torch.Tensor, host_indices: torch.Tensor, block: int) -> Runs:
-    """Split int64 CPU index lists into maximal runs; ``block`` > 1 splits runs at host blocks.
+    """Split int64 index lists into maximal runs; ``block`` > 1 splits runs at host blocks.
 
     A load calls this once per layer with the same lists: the last plan of each thread is kept
     with a copy of its lists and reused when the contents match (a comparison costs far less than
     planning, and a list changed in place, by any route, is never mistaken for the old one).
     """
-    device = device_indices.numpy()
-    host = host_indices.numpy()
+    device = device_indices.cpu().numpy()  # no copy for CPU lists, the ones the engine passes
+    host = host_indices.cpu().numpy()
     last = getattr(_last_plan, "value", None)
     if (
         last is not None
