@@ -472,6 +472,15 @@ def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
     assert [view.obj for view in spy.registered] == [pool]
     store.close()
 
+    hung = FaultInjectionWrapper(ZeroCopySpy(), {"register_buffer": {"hang_rate": 1.0}})
+    bounded = TimeoutWrapper(hung, {"seconds": SHORT, "zero_copy": True})
+    with pytest.raises(StorageTimeoutError):  # a hung registration cannot block the caller either
+        bounded.register_buffer(pool)
+    hung.release_hangs()
+    assert bounded.wait_idle(30)
+    assert [view.obj for view in hung.inner.registered] == [pool]  # it went on and finished
+    bounded.close()
+
     staged_spy = ZeroCopySpy()
     staged = TimeoutWrapper(staged_spy)  # the default mode: the inner sees no caller memory
     caps = staged.capabilities

@@ -59,8 +59,9 @@ registering (pinning) it there would cost and never help.
 **Zero-copy (``zero_copy: true``): the caller does.** The inner backend reads and writes the
 caller's buffers directly, with no staging and no copy; the wrapper keeps the inner backend's
 ``zero_copy_read``, ``zero_copy_write`` and ``buffer_registration``, and passes
-``register_buffer`` on (on the caller's thread and unbounded: it is set-up, and pinning a large
-pool may take longer than a page batch). In exchange, the
+``register_buffer`` on, bounded like any call (a registration that outlasts ``seconds``, pinning a
+large pool, goes on after its caller was told it timed out; registered memory must outlive the
+store anyway). In exchange, the
 :class:`~hicache_storage.errors.StorageTimeoutError` of a read or write whose inner call had
 started carries ``settled``, an event set when that call has really returned. Until then the
 store may still write into the read's targets or read the write's sources, so the caller must
@@ -292,7 +293,7 @@ class TimeoutWrapper(BackendWrapper):
     def _register_buffer(self, view: memoryview) -> None:
         """Passed on in zero-copy mode only: with staging the inner backend never sees caller memory."""
         if self.config.zero_copy:
-            super()._register_buffer(view)
+            self._call("register_buffer", lambda: super(TimeoutWrapper, self)._register_buffer(view))
 
     def _close(self) -> None:
         """Close the inner backend within ``seconds``, then let idle workers exit.
