@@ -89,7 +89,7 @@ class ConcurrencyClauses:
         for each key, a whole page of the latest version or of one being written, or a miss; a key
         that exists reads whole, and a key whose put returned reads whole."""
         size = self.concurrent_page_bytes
-        writers, rounds = 2, 40
+        writers, rounds = 2, 80
         may_miss = store.capabilities.evicts or store.capabilities.ttl
         hot = [scope.key(random_hash(rng)) for _ in range(2 * writers)]
         fresh = [[scope.key(random_hash(rng)) for _ in range(rounds)] for _ in range(writers)]
@@ -98,12 +98,14 @@ class ConcurrencyClauses:
         completed = dict.fromkeys(hot, 0)  # version whose put returned
         started = dict.fromkeys(hot, 0)  # version whose put began
         published: set[PageKey] = set()
+        writing: list[PageKey] = hot[:writers]  # the hot key each writer overwrites now
         stop = threading.Event()
 
         def writer(index: int) -> None:
             mine = hot[index::writers]
             for round_ in range(1, rounds + 1):
                 key = mine[round_ % len(mine)]
+                writing[index] = key
                 started[key] = round_
                 assert store.put([key], [page_for(key, size, round_)]) == [True], "put of an overwrite failed"
                 completed[key] = round_
@@ -115,7 +117,7 @@ class ConcurrencyClauses:
             target = bytearray(size)
             local = random.Random(index)
             while not stop.is_set():
-                key = local.choice(hot)
+                key = local.choice(writing) if local.random() < 0.75 else local.choice(hot)
                 floor = completed[key]
                 hit = store.get_into([key], [target]) == [True]
                 if hit:
@@ -202,7 +204,7 @@ class ConcurrencyClauses:
 
         def worker(index: int) -> None:
             local = random.Random(seeds[index])
-            for round_ in range(4):
+            for round_ in range(8):
                 keys = [scope.key(random_hash(local)) for _ in range(8)]
                 assert store.put(keys, [page_for(k, 2048, round_) for k in keys]) == [True] * 8, "put of a batch failed"
                 for key, value in zip(keys, store.get(keys, 2048)):
