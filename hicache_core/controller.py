@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope
 from hicache_storage.wrappers.timeout import TimeoutWrapper
 
@@ -74,6 +75,8 @@ class _BackupOp:
     hashes: list[str]
     host_indices: torch.Tensor
     stored_pages: int = 0
+    #: A put that timed out but may still read the host pages (zero-copy timeout).
+    abandoned: StorageTimeoutError | None = None
 
 
 @dataclass(eq=False)
@@ -126,8 +129,7 @@ class CacheController:
             raise ValueError("storage (L3) needs a host pool (L2) to stage pages in")
         if self.storage is not None:
             raise RuntimeError("a storage backend is already attached; detach it first")
-        if self.config.storage_timeout_s is not None:
-            backend = TimeoutWrapper(backend, {"seconds": self.config.storage_timeout_s})
+        backend = self.storage_stack(backend)
         try:
             backend.register_buffer(self.host.as_buffer())
         except Exception:  # registration is an optimization: a store that refuses it still works
@@ -137,6 +139,17 @@ class CacheController:
         self._backup_thread.start()
         assert self.prefetcher is not None
         self.prefetcher.start(backend, scope)
+
+    def storage_stack(self, backend: StorageBackend) -> StorageBackend:
+        """``backend`` as the controller calls it: behind a zero-copy timeout (``storage_timeout_s``).
+
+        Zero-copy because the controller keeps the host pages of a call that timed out pinned
+        until the call really returns (``StorageTimeoutError.when_settled``), so pages move
+        between the host pool and the store without a staging copy.
+        """
+        if self.config.storage_timeout_s is None:
+            return backend
+        return TimeoutWrapper(backend, {"seconds": self.config.storage_timeout_s, "zero_copy": True})
 
     def detach_storage(self) -> StorageBackend | None:
         """Stop using L3: queued backups and prefetches finish (bounded by the timeout), then the threads exit.
@@ -285,7 +298,11 @@ class CacheController:
                 self.metrics.add(storage_errors=1)
             finally:
                 assert self.host is not None
-                self.host.allocator.unpin_io(op.host_indices)
+                if op.abandoned is not None:  # the late put still reads them: unpin when it returns
+                    self.host.allocator.abandon_io(op.host_indices)
+                    op.abandoned.when_settled(lambda op=op: self.host.allocator.unpin_io(op.host_indices, abandoned=True))
+                else:
+                    self.host.allocator.unpin_io(op.host_indices)
                 self._backup_acks.put(op)
 
     def _run_backup(self, backend: StorageBackend, op: _BackupOp) -> None:
@@ -311,7 +328,11 @@ class CacheController:
         for begin in range(0, len(pages), step):
             batch = pages[begin : begin + step]
             results = guarded_call(
-                self.metrics, lambda: backend.put_from([keys[i] for i in batch], [segments[i] for i in batch]), None, "put"
+                self.metrics,
+                lambda: backend.put_from([keys[i] for i in batch], [segments[i] for i in batch]),
+                None,
+                "put",
+                lambda exc: setattr(op, "abandoned", exc),
             )
             stored = leading_successes(results)
             suspects.forget(op.hashes[i] for i in batch[:stored])

@@ -274,9 +274,11 @@ class Engine:
                 continue
             self._decode(live)
             decoded = True
-        if decoded and self.config.compute is not None:
-            # Continuous batching: one decode step serves every running request at once.
-            time.sleep(self.config.compute.decode_seconds())
+        if decoded:
+            self.metrics.add(decode_steps=1)
+            if self.config.compute is not None:
+                # Continuous batching: one decode step serves every running request at once.
+                time.sleep(self.config.compute.decode_seconds())
         if not (admitted or decoded):
             time.sleep(0.0005)
 
@@ -365,8 +367,11 @@ class Engine:
                 prefetcher = self.controller.prefetcher
                 assert prefetcher is not None
                 if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
-                    continue
-                if not prefetcher.ready(op):
+                    if prefetcher.pages_in_flight or self.controller.io_pending:
+                        continue  # host pages come back as those reads and backups end
+                    # Nothing in flight will give host pages back (a hung store may hold some for
+                    # good): compute rather than wait for a prefetch that cannot start.
+                elif not prefetcher.ready(op):
                     continue
                 live.prefetch = None
                 live.storage_tokens = prefetcher.finish(op) or 0

@@ -19,6 +19,8 @@ class CacheCounters:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     computed_tokens: int = 0
+    #: engine steps that decoded (one batched forward each)
+    decode_steps: int = 0
     # device <-> host
     host_backup_pages: int = 0
     host_backup_seconds: float = 0.0

@@ -87,6 +87,10 @@ class PageAllocator:
     waits for the I/O to end (storage calls are bounded by the controller's timeout). Counting
     it keeps every decision that depends on free space independent of I/O timing, which is what
     keeps tensor-parallel ranks' trees identical.
+
+    Except for I/O its caller *abandoned* (:meth:`abandon_io`: a zero-copy storage call that timed
+    out and may never return): its pages stop counting as free until that pin is released, so a
+    hung store costs the pages it holds, never a wait. That one case depends on timing.
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -99,13 +103,20 @@ class PageAllocator:
         self._allocated = bytearray(num_pages)
         self._pins: dict[int, int] = {}
         self._free_when_unpinned: set[int] = set()
+        self._abandoned: dict[int, int] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     @property
     def free_pages(self) -> int:
         """Pages free now or as soon as their in-flight I/O ends."""
         with self._lock:
-            return len(self._free) + len(self._free_when_unpinned)
+            return len(self._free) + self._waitable()
+
+    def _waitable(self) -> int:
+        """Freed pages whose I/O will end (bounded): those an abandoned call pins are not."""
+        if not self._abandoned:
+            return len(self._free_when_unpinned)
+        return sum(1 for page in self._free_when_unpinned if page not in self._abandoned)
 
     @property
     def idle_pages(self) -> int:
@@ -122,9 +133,11 @@ class PageAllocator:
         """Slots of ``ceil(num_tokens / page_size)`` fresh pages, or ``None`` if that many are not free."""
         count = -(-num_tokens // self.page_size)
         with self._lock:
-            if count > len(self._free) + len(self._free_when_unpinned):
+            if count > len(self._free) + self._waitable():
                 return None
-            self._lock.wait_for(lambda: count <= len(self._free))
+            self._lock.wait_for(lambda: count <= len(self._free) or count > len(self._free) + self._waitable())
+            if count > len(self._free):
+                return None  # a call pinning the pages was abandoned while we waited
             pages = [self._free.popleft() for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
@@ -159,10 +172,24 @@ class PageAllocator:
             for page in self.pages_of(slots):
                 self._pins[page] = self._pins.get(page, 0) + 1
 
-    def unpin_io(self, slots: torch.Tensor) -> None:
-        """Release one pin; a page freed meanwhile goes back to the free list now."""
+    def abandon_io(self, slots: torch.Tensor) -> None:
+        """The I/O pinning these pages was abandoned (it may never end): until its pin is released
+        with ``unpin_io(slots, abandoned=True)`` they do not count as free, and no alloc waits for them."""
         with self._lock:
             for page in self.pages_of(slots):
+                self._abandoned[page] = self._abandoned.get(page, 0) + 1
+            self._lock.notify_all()
+
+    def unpin_io(self, slots: torch.Tensor, *, abandoned: bool = False) -> None:
+        """Release one pin (one that ``abandon_io`` marked, if ``abandoned``); a page freed
+        meanwhile goes back to the free list now."""
+        with self._lock:
+            for page in self.pages_of(slots):
+                if abandoned:
+                    if self._abandoned[page] == 1:
+                        del self._abandoned[page]
+                    else:
+                        self._abandoned[page] -= 1
                 left = self._pins[page] - 1
                 if left:
                     self._pins[page] = left

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, PageKey, page_hashes
 
 from hicache_core.metrics import CacheMetrics
@@ -317,6 +318,7 @@ class Prefetcher:
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
         pinned_from = 0
+        abandoned: list[StorageTimeoutError] = []  # a read that may still land in the pages
         try:
             if hit * self.page_size < self.config.threshold_tokens:
                 op.state = PrefetchState.REVOKED
@@ -329,7 +331,9 @@ class Prefetcher:
                 if op.terminate.is_set():
                     break
                 batch = slice(begin, min(begin + step, hit))
-                results = guarded_call(self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get")
+                results = guarded_call(
+                    self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get", abandoned.append
+                )
                 got = leading_successes(results)
                 if results is not None:
                     # Every page here was reported present: a failed read means its stored copy is bad or gone.
@@ -345,7 +349,12 @@ class Prefetcher:
                     break
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
-            self.host.allocator.unpin_io(op.host_indices[pinned_from:])
+            still_pinned = op.host_indices[pinned_from:]
+            if abandoned:
+                self.host.allocator.abandon_io(still_pinned)
+                abandoned[0].when_settled(lambda: self.host.allocator.unpin_io(still_pinned, abandoned=True))
+            else:
+                self.host.allocator.unpin_io(still_pinned)
 
 
 def _head(tokens: Sequence[int], length: int) -> Sequence[int]:

@@ -16,16 +16,28 @@ T = TypeVar("T")
 D = TypeVar("D")
 
 
-def guarded_call(metrics: CacheMetrics, call: Callable[[], T], default: D, operation: str) -> T | D:
+def guarded_call(
+    metrics: CacheMetrics,
+    call: Callable[[], T],
+    default: D,
+    operation: str,
+    on_abandoned: Callable[[StorageTimeoutError], None] | None = None,
+) -> T | D:
     """Run one storage call; any exception is logged, counted and replaced by ``default``.
 
-    The backup and prefetch threads go through this, so no backend failure can end them.
+    The backup and prefetch threads go through this, so no backend failure can end them. A
+    timeout whose call may still use the caller's buffers (a zero-copy timeout: ``settled`` is
+    set) is handed to ``on_abandoned``, which must keep those buffers untouched until it settles.
     """
     try:
         return call()
     except StorageTimeoutError as exc:
         log.warning("storage %s timed out: %s", operation, exc)
         metrics.add(storage_timeouts=1)
+        if exc.settled is not None and not exc.settled.is_set():
+            if on_abandoned is None:
+                raise RuntimeError(f"a storage {operation} that used caller buffers was abandoned with no one to wait for it") from exc
+            on_abandoned(exc)
     except Exception as exc:
         log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
         metrics.add(storage_errors=1)

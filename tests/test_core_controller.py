@@ -202,6 +202,43 @@ def test_host_pages_under_a_hung_read_are_never_reused():
         controller.close()
 
 
+def test_the_default_storage_stack_is_zero_copy_and_bounds_a_hung_read_by_its_pages():
+    """The controller's timeout is zero-copy: the store reads straight into host pages. A read
+    that times out may still land in them, so they stay out of the allocator (not even counted
+    as free, so nothing waits on them) until the store returns; then they come back."""
+    device = DevicePool(GEOMETRY, 64, 2, device="cpu")
+    host = HostPool(GEOMETRY, 2, "page_first", num_pages=8)
+    tree = RadixTree(2, device.allocator.free, host.allocator.free)
+    prefetch = PrefetchConfig(threshold_tokens=2, stop_policy=StopPolicy.WAIT_COMPLETE)
+    controller = CacheController(ControllerConfig(storage_timeout_s=0.2, prefetch=prefetch), tree, device, host)
+    backend = RecordingBackend()
+    tokens = list(range(8))
+    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [b"\x07" * (GEOMETRY.token_bytes * 2)] * 4)
+    backend.get_gate = threading.Event()
+    controller.attach_storage(backend, SCOPE)
+    try:
+        op = plan(controller, tokens + [0])
+        assert controller.prefetcher.try_issue(op)
+        assert op.done.wait(30), "the read timed out"
+        assert controller.metrics.snapshot()["storage_timeouts"] == 1
+        assert controller.prefetcher.finish(op) == 0
+        allocator = controller.host.allocator
+        assert allocator.free_pages == 4, "the 4 pages the hung read may still write are not free"
+        assert allocator.alloc(5 * 2) is None, "and no allocation waits for them"
+        backend.get_gate.set()
+        deadline = threading.Event()
+        for _ in range(3000):
+            if allocator.free_pages == 8:
+                break
+            deadline.wait(0.01)
+        assert allocator.free_pages == 8, "the pages come back once the store returned"
+        late = b"".join(segment.numpy().tobytes() for page in host.segments_for(op.host_indices) for segment in page)
+        assert late == b"\x07" * len(late), "the late read landed in the host pages themselves: no staging copy"
+    finally:
+        backend.get_gate.set()
+        controller.close()
+
+
 def test_layer_wise_load_releases_each_layer_on_its_own():
     controller = make_controller()
     transfers = controller.transfers
