@@ -21,9 +21,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
-    except StorageError as exc:
+    except (StorageError, UsageError) as exc:
         print(f"hicache-storage: error: {exc}", file=sys.stderr)
         return 2
+
+
+class UsageError(Exception):
+    """A command's arguments are unusable: main prints the message as one line and exits 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +133,10 @@ def run_bench(args: argparse.Namespace) -> int:
         tiers = tuple(TIER_CHOICES[t.strip()] for t in args.tiers.split(","))
     except KeyError as exc:
         raise SystemExit(f"hicache-storage bench: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
-    workload = Workload(args.clients, args.rounds, args.request_length, args.output_length, args.max_running, not args.no_round_barrier, args.seed)
+    try:
+        workload = Workload(args.clients, args.rounds, args.request_length, args.output_length, args.max_running, not args.no_round_barrier, args.seed)
+    except ValueError as exc:
+        raise UsageError(f"bench: {exc}") from None
     modeled = {
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
         "decode_step_s": args.decode_step_ms / 1e3 if args.decode_step_ms is not None else None,
@@ -190,6 +197,10 @@ def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
     from hicache_storage.registry import create_backend
 
+    try:
+        page_sizes = [parse_size(s) for s in args.page_sizes.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"bench-io --page-sizes: {exc}") from None
     backend = create_backend(args.backend, args.config)
     if args.wrappers:
         from hicache_storage.wrappers import wrap
@@ -198,7 +209,7 @@ def run_bench_io(args: argparse.Namespace) -> int:
     with backend:
         result = run_bench_io(
             backend,
-            page_sizes=[parse_size(s) for s in args.page_sizes.split(",")],
+            page_sizes=page_sizes,
             batch_sizes=[int(s) for s in args.batch_sizes.split(",")],
             bytes_per_case=parse_size(args.bytes_per_case),
         )

@@ -75,3 +75,18 @@ def test_bench_cli_compares_stop_policies(tmp_path):
 def test_bench_rejects_an_unknown_tier(tmp_path):
     result = subprocess.run(tiny_cli("--tiers", "L1,L4", "--out", str(tmp_path)), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "unknown tier configuration 'L4'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--clients", "-3"], "bench: Workload.clients must be at least 1, got -3"),
+        (["bench-io", "memory", "--page-sizes", "12Q"], "bench-io --page-sizes: not a size: '12Q'"),
+    ],
+)
+def test_bad_bench_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    from hicache_storage.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
