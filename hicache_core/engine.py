@@ -147,6 +147,7 @@ class _Live:
     storage_tokens: int = 0
     planned_match: int = 0
     refetched: bool = False
+    #: Locked while the request waits: the prefix a refetch hangs from, then the pages it fetched.
     pinned: TreeNode | None = None
     session: SessionTicket | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -367,17 +368,20 @@ class Engine:
                 prefetcher = self.controller.prefetcher
                 assert prefetcher is not None
                 if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
-                    if prefetcher.pages_in_flight or self.controller.io_pending:
-                        continue  # host pages come back as those reads and backups end
+                    if prefetcher.pages_in_flight or self.controller.io_pending or self._running:
+                        continue  # host pages come back as those reads, backups and requests end
                     # Nothing in flight will give host pages back (a hung store may hold some for
                     # good): compute rather than wait for a prefetch that cannot start.
                 elif not prefetcher.ready(op):
                     continue
                 live.prefetch = None
                 live.storage_tokens = prefetcher.finish(op) or 0
-                if live.pinned is not None:
-                    self.tree.unlock(live.pinned)
-                    live.pinned = None
+                self._unpin(live)
+                if live.storage_tokens:
+                    # Hold what was fetched until the request starts: waiting for device memory,
+                    # it would otherwise lose the pages to other requests' host allocations.
+                    live.pinned = self.tree.match_prefix(self._matchable(live)).host_node
+                    self.tree.lock(live.pinned)
             if not live.refetched and self._prefix_lost(live):
                 # Part of its cached prefix was evicted while it waited: fetch it back, once.
                 live.refetched = True
@@ -415,7 +419,7 @@ class Engine:
             )
 
     def _unpin_waiting(self) -> bool:
-        """Release the prefixes waiting requests pinned for their refetches; whether any was held.
+        """Release the prefixes waiting requests pinned (refetches, fetched pages); whether any was held.
 
         Called when the head of the queue cannot start and nothing else could free memory: the
         pins are what stands between it and the memory it needs. A request unpinned here may plan
@@ -424,11 +428,15 @@ class Engine:
         released = False
         for live in self._waiting:
             if live.pinned is not None:
-                self.tree.unlock(live.pinned)
-                live.pinned = None
+                self._unpin(live)
                 live.refetched = False
                 released = True
         return released
+
+    def _unpin(self, live: _Live) -> None:
+        if live.pinned is not None:
+            self.tree.unlock(live.pinned)
+            live.pinned = None
 
     def _prefix_lost(self, live: _Live) -> bool:
         if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
@@ -460,6 +468,7 @@ class Engine:
                 self.tree.unlock(live.node)
                 live.node = None
             return False
+        self._unpin(live)  # its prefix is locked as live.node now
         loaded = live.prefix_len - device_hit
         result.cached_device = device_hit
         result.cached_storage = min(inserted, loaded)

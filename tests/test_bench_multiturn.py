@@ -38,6 +38,17 @@ def test_modeled_bench_restores_from_l3_once_history_overflows_l1_and_l2():
     for run in runs.values():
         assert [r["round"] for r in run["rounds"]] == [0, 1, 2]
         assert sum(r["prompt_tokens"] for r in run["rounds"]) == run["overall"]["prompt_tokens"]
+    legs = result["legs"]
+    assert all(legs[name] > 0 for name in ("storage_write", "storage_read", "backup", "load")), legs
+    l1_wall = runs["L1"]["overall"]["wall_s"]
+    for run in runs.values():
+        bound = run["bound"]
+        times = {"compute": bound["compute_s"], "storage": bound["storage_s"], "copies": bound["copies_s"]}
+        assert bound["bound_s"] == max(times.values()) and times[bound["limit"]] == bound["bound_s"]
+        assert bound["efficiency"] == pytest.approx(bound["bound_s"] / run["overall"]["wall_s"])
+        assert bound["bound_vs_l1"] == pytest.approx(l1_wall / bound["bound_s"])
+    assert runs["L1"]["bound"]["storage_s"] == runs["L1"]["bound"]["copies_s"] == 0, "L1 moves nothing"
+    assert runs["L1+L2+L3"]["bound"]["storage_s"] > 0 and runs["L1+L2+L3"]["bound"]["copies_s"] > 0
 
 
 @pytest.mark.slow
@@ -49,7 +60,9 @@ def test_bench_cli_writes_table_json_and_plot(tmp_path):
     assert [run["tiers"] for run in data["runs"]] == ["L1", "L1+L2", "L1+L2+L3"]
     assert data["config"]["backend_config"] is None  # a given config is written as "(given)": it may hold secrets
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "bench.md").read_text().startswith("## hicache-storage bench")
+    markdown = (tmp_path / "bench.md").read_text()
+    assert markdown.startswith("## hicache-storage bench")
+    assert "Legs measured in this run: store write" in markdown and "| bound vs L1 | efficiency (limit) |" in markdown
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ def overall_table(result: dict[str, Any]) -> str:
     rows = []
     for run in runs:
         o = run["overall"]
-        speedup = o["input_tokens_per_s"] / baseline if baseline else float("nan")
+        speedup = f"{o['input_tokens_per_s'] / baseline:.2f}x" if baseline else "-"
+        bound = run.get("bound")
         rows.append(
             (
                 run["tiers"],
@@ -25,7 +26,9 @@ def overall_table(result: dict[str, Any]) -> str:
                 o["ttft_p90_ms"],
                 o["ttft_p99_ms"],
                 o["input_tokens_per_s"],
-                f"{speedup:.2f}x",
+                speedup,
+                f"{bound['bound_vs_l1']:.2f}x" if bound and bound["bound_vs_l1"] is not None else "-",
+                f"{bound['efficiency']:.2f} ({bound['limit']})" if bound else "-",
                 o["device_tokens"],
                 o["host_tokens"],
                 o["storage_tokens"],
@@ -34,9 +37,35 @@ def overall_table(result: dict[str, Any]) -> str:
             )
         )
     return markdown_table(
-        ["tiers", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "vs L1", "from L1", "from L2", "from L3", "L3 written", "L3 read"],
+        ["tiers", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "vs L1", "bound vs L1", "efficiency (limit)", "from L1", "from L2", "from L3", "L3 written", "L3 read"],
         rows,
     )
+
+
+def bound_lines(result: dict[str, Any]) -> list[str]:
+    """The measured legs and each configuration's leg times: where the bound comes from."""
+    legs = result.get("legs")
+    if legs is None or legs["prefill_tokens_per_s"] is None:
+        return ["No bound: the reference model has no modeled compute to hold the run to."]
+    store = (
+        f"store write {legs['storage_write'] / 1e9:.2f} GB/s, read {legs['storage_read'] / 1e9:.2f} GB/s"
+        if legs["storage_write"] is not None
+        else "no store"
+    )
+    lines = [
+        f"Legs measured in this run: {store}; device -> host backup {legs['backup'] / 1e9:.2f} GB/s, "
+        f"host -> device load {legs['load'] / 1e9:.2f} GB/s; compute {legs['prefill_tokens_per_s']:,.0f} prefill tok/s "
+        f"and {legs['decode_step_s'] * 1e3:.0f} ms per decode step (modeled). Bound = the busiest leg's time (legs "
+        "overlapping perfectly); efficiency = bound / wall time; bound vs L1 = L1's wall time / bound.",
+        "",
+    ]
+    rows = [
+        (run["tiers"], run["bound"]["compute_s"], run["bound"]["storage_s"], run["bound"]["copies_s"], run["bound"]["bound_s"], run["bound"]["wall_s"], f"{run['bound']['efficiency']:.2f}")
+        for run in result["runs"]
+        if run.get("bound")
+    ]
+    lines.append(markdown_table(["tiers", "compute s", "storage s", "copies s", "bound s", "wall s", "efficiency"], rows))
+    return lines
 
 
 def rounds_table(run: dict[str, Any]) -> str:
@@ -63,6 +92,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"write policy {config['write_policy']}, prefetch stop policy {config['stop_policy']}.",
         "",
         overall_table(result),
+        "",
+        *bound_lines(result),
     ]
     for run in result["runs"]:
         lines += ["", f"### {run['tiers']} per round", "", rounds_table(run)]

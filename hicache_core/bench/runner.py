@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hicache_core.bench.bound import Legs, bound_of, measure_legs
 from hicache_core.bench.workload import Served, Workload, run_workload
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig
@@ -124,6 +125,8 @@ class TierRun:
     storage_bytes_written: int
     storage_bytes_read: int
     metrics: dict[str, float]
+    #: What the measured legs allow this run (see :mod:`hicache_core.bench.bound`); None without modeled compute.
+    bound: dict[str, Any] | None = None
 
 
 def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
@@ -179,11 +182,30 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
 
 
 def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """Every tier configuration of ``config``, one after the other; plain data for JSON."""
+    """Every tier configuration of ``config``, one after the other, each with its bound; plain data for JSON.
+
+    The legs (store, copies, compute) are measured first, in the same process, on the geometry
+    and store of the L3 configuration (see :mod:`hicache_core.bench.bound`).
+    """
+    legs = measure_bench_legs(config)
     runs = []
     for tiers in config.tiers:
         runs.append(run_tiers(config, tiers, (lambda r, t=tiers: progress(t.value, r)) if progress else None))
-    return {"config": describe(config), "runs": [asdict(run) for run in runs]}
+    l1_wall = next((run.overall.wall_s for run in runs if run.tiers == CacheTiers.L1.value), None)
+    page_bytes = config.page_size * config.kv_bytes_per_token()
+    for run in runs:
+        bound = bound_of(run.metrics, run.overall.wall_s, legs, page_bytes, l1_wall)
+        run.bound = bound.as_dict() if bound is not None else None
+    return {"config": describe(config), "legs": legs.as_dict(), "runs": [asdict(run) for run in runs]}
+
+
+def measure_bench_legs(config: BenchConfig) -> Legs:
+    """The legs of ``config``'s engine with L3 (the default store in a scratch directory)."""
+    scratch = tempfile.mkdtemp(prefix="hicache-legs-")
+    try:
+        return measure_legs(config.engine_config(CacheTiers.L1_L2_L3, storage_root=f"{scratch}/l3"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def describe(config: BenchConfig) -> dict[str, Any]:
