@@ -92,16 +92,23 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     where.add_argument("--backend", help="L3 backend name (default: file connector in a temporary directory)")
     where.add_argument("--config", help="L3 backend config: a JSON object or @path")
     work = bench.add_argument_group("workload")
-    work.add_argument("--clients", type=int, default=16, help="conversations (default: %(default)s)")
-    work.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default: %(default)s)")
-    work.add_argument("--request-length", type=int, default=512, help="new tokens per round (default: %(default)s)")
+    work.add_argument(
+        "--preset",
+        default="default",
+        choices=["default", "long-history"],
+        help="workload shape: 'default' (16 clients x 4 rounds, a few minutes) or 'long-history' (4 clients x 30 "
+        "rounds, L1 32,768 tokens: history dominates, the case L3 exists for); the options below override it",
+    )
+    work.add_argument("--clients", type=int, help="conversations (default: 16; long-history: 4)")
+    work.add_argument("--rounds", type=int, help="rounds per conversation (default: 4; long-history: 30)")
+    work.add_argument("--request-length", type=int, help="new tokens per round (default: 512)")
     work.add_argument("--output-length", type=int, default=8, help="generated tokens per round (default: %(default)s)")
     work.add_argument("--max-running", type=int, default=4, help="most requests running at once (default: %(default)s)")
     work.add_argument("--no-round-barrier", action="store_true", help="let each client start its next round as soon as it can")
     work.add_argument("--seed", type=int, default=0)
     tiers = bench.add_argument_group("tiers and cache")
-    tiers.add_argument("--tiers", default="L1,L1+L2,L1+L2+L3", help="comma-separated configurations to compare (default: %(default)s)")
-    tiers.add_argument("--device-tokens", type=int, default=12288, help="L1 capacity in tokens (default: %(default)s)")
+    tiers.add_argument("--tiers", help="comma-separated configurations to compare (default: L1,L1+L2,L1+L2+L3)")
+    tiers.add_argument("--device-tokens", type=int, help="L1 capacity in tokens (default: 12288; long-history: 32768)")
     tiers.add_argument("--host-ratio", type=float, default=1.0, help="L2 capacity as a multiple of L1 (default: %(default)s)")
     tiers.add_argument("--page-size", type=int, default=64, help="tokens per page (default: %(default)s)")
     tiers.add_argument("--layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
@@ -124,17 +131,19 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from hicache_core.bench.report import render_markdown, render_stop_policies, write_outputs
-    from hicache_core.bench.runner import TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
+    from hicache_core.bench.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
     from hicache_core.bench.workload import Workload
     from hicache_core.controller import StopPolicy, WritePolicy
     from hicache_storage.config import load_config_source
 
+    shape = dict(PRESETS[args.preset])
+    shape.update({name: getattr(args, name) for name in shape if getattr(args, name) is not None})
     try:
-        tiers = tuple(TIER_CHOICES[t.strip()] for t in args.tiers.split(","))
+        tiers = tuple(TIER_CHOICES[t.strip()] for t in shape["tiers"].split(","))
     except KeyError as exc:
         raise SystemExit(f"hicache-storage bench: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
     try:
-        workload = Workload(args.clients, args.rounds, args.request_length, args.output_length, args.max_running, not args.no_round_barrier, args.seed)
+        workload = Workload(shape["clients"], shape["rounds"], shape["request_length"], args.output_length, args.max_running, not args.no_round_barrier, args.seed)
     except ValueError as exc:
         raise UsageError(f"bench: {exc}") from None
     modeled = {
@@ -144,22 +153,25 @@ def run_bench(args: argparse.Namespace) -> int:
         "kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
     }
-    config = BenchConfig(
-        workload=workload,
-        tiers=tiers,
-        model=args.model,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        device_tokens=args.device_tokens,
-        host_ratio=args.host_ratio,
-        layout=args.layout,
-        write_policy=WritePolicy(args.write_policy),
-        stop_policy=StopPolicy(args.stop_policy),
-        prefetch_threshold=args.prefetch_threshold,
-        backend=args.backend,
-        backend_config=load_config_source(args.config) if args.config else None,
-        **{name: value for name, value in modeled.items() if value is not None},
-    )
+    try:
+        config = BenchConfig(
+            workload=workload,
+            tiers=tiers,
+            model=args.model,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            device_tokens=shape["device_tokens"],
+            host_ratio=args.host_ratio,
+            layout=args.layout,
+            write_policy=WritePolicy(args.write_policy),
+            stop_policy=StopPolicy(args.stop_policy),
+            prefetch_threshold=args.prefetch_threshold,
+            backend=args.backend,
+            backend_config=load_config_source(args.config) if args.config else None,
+            **{name: value for name, value in modeled.items() if value is not None},
+        )
+    except ValueError as exc:
+        raise UsageError(f"bench: {exc}") from None
     from tqdm import tqdm
 
     runs = 2 * len(StopPolicy) if args.compare_stop_policies else len(tiers)

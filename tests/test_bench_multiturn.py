@@ -95,6 +95,8 @@ def test_bench_rejects_an_unknown_tier(tmp_path):
     [
         (["bench", "--clients", "-3"], "bench: Workload.clients must be at least 1, got -3"),
         (["bench-io", "memory", "--page-sizes", "12Q"], "bench-io --page-sizes: not a size: '12Q'"),
+        (["bench", "--preset", "long-history", "--device-tokens", "100"], "device_tokens (100) must be a positive multiple of page_size (64)"),
+        (["bench", "--host-ratio", "0"], "host_ratio must be positive, got 0.0"),
     ],
 )
 def test_bad_bench_arguments_are_one_line_and_exit_2(capsys, argv, message):

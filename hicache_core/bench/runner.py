@@ -32,6 +32,13 @@ L4_DECODE_STEP_S = 0.050
 #: Qwen2.5-7B's KV shape: 28 layers x 4 KV heads x 128 dims; FP8 -> 28 KiB per token.
 QWEN7B_LAYERS, QWEN7B_KV_HEADS, QWEN7B_HEAD_DIM, QWEN7B_KV_DTYPE = 28, 4, 128, "float8_e4m3fn"
 
+#: Named workload shapes (the CLI's ``--preset``): ``default``, the main job, ends in a few minutes;
+#: ``long-history``, where each prompt is mostly history (the case L3 exists for), in under ten.
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {"clients": 16, "rounds": 4, "request_length": 512, "device_tokens": 12288, "tiers": "L1,L1+L2,L1+L2+L3"},
+    "long-history": {"clients": 4, "rounds": 30, "request_length": 512, "device_tokens": 32768, "tiers": "L1,L1+L2,L1+L2+L3"},
+}
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 TIER_CHOICES = {tier.value: tier for tier in CacheTiers}
 
@@ -60,6 +67,15 @@ class BenchConfig:
     backend: str | None = None
     backend_config: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.device_tokens < self.page_size or self.device_tokens % self.page_size:
+            raise ValueError(f"device_tokens ({self.device_tokens}) must be a positive multiple of page_size ({self.page_size})")
+        for name in ("host_ratio", "prefill_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.decode_step_s < 0:
+            raise ValueError(f"decode_step_s must not be negative, got {self.decode_step_s}")
+
     def model_and_compute(self) -> tuple[ModelConfig, ModeledCompute | None]:
         """The model whose KV the pools hold, and the modeled cost replacing its forward pass (if any)."""
         if self.model == "reference":
@@ -71,8 +87,6 @@ class BenchConfig:
 
     def engine_config(self, tiers: CacheTiers, storage_root: str | None) -> EngineConfig:
         model, compute = self.model_and_compute()
-        if self.device_tokens % self.page_size:
-            raise ValueError(f"device_tokens ({self.device_tokens}) must be a multiple of page_size ({self.page_size})")
         backend, backend_config = self.backend, self.backend_config
         if tiers.storage and backend is None:
             backend, backend_config = "file", {"root": storage_root}
