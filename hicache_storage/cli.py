@@ -1,4 +1,6 @@
-"""The ``hicache-storage`` command: list backends, run the conformance suite (more to come)."""
+"""The ``hicache-storage`` command: list backends, run the conformance suite, benchmark a backend's I/O,
+and the commands other packages register (``bench``, from the HiCache core: see
+:mod:`hicache_storage.commands`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from hicache_storage.commands import UsageError, add_plugin_commands
 from hicache_storage.errors import StorageError
 
 
@@ -24,10 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StorageError, UsageError) as exc:
         print(f"hicache-storage: error: {exc}", file=sys.stderr)
         return 2
-
-
-class UsageError(Exception):
-    """A command's arguments are unusable: main prints the message as one line and exits 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,121 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_io.add_argument("--out", default="results", help="directory for bench-io-<backend>.{json,md} (default: %(default)s)")
     bench_io.set_defaults(run=run_bench_io)
 
-    add_bench_parser(commands)
+    add_plugin_commands(commands)
     return parser
-
-
-def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    # The benchmark drives the HiCache core (hicache_core), the layer above this SDK: the CLI is
-    # the top of the stack, and this command is the one place it reaches up, lazily.
-    bench = commands.add_parser(
-        "bench",
-        help="multi-turn serving benchmark: L1 vs L1+L2 vs L1+L2+L3 through the HiCache core",
-        description="Run a multi-turn workload (shaped like SGLang's bench_multiturn) through the reference "
-        "engine once per tier configuration, and report hit rate, TTFT and input throughput per round and "
-        "overall. With no arguments: the file connector in a temporary directory, modeled compute.",
-    )
-    where = bench.add_argument_group("storage (L3)")
-    where.add_argument("--backend", help="L3 backend name (default: file connector in a temporary directory)")
-    where.add_argument("--config", help="L3 backend config: a JSON object or @path")
-    work = bench.add_argument_group("workload")
-    work.add_argument(
-        "--preset",
-        default="default",
-        choices=["default", "long-history"],
-        help="workload shape: 'default' (16 clients x 4 rounds, a few minutes) or 'long-history' (4 clients x 30 "
-        "rounds, L1 32,768 tokens: history dominates, the case L3 exists for); the options below override it",
-    )
-    work.add_argument("--clients", type=int, help="conversations (default: 16; long-history: 4)")
-    work.add_argument("--rounds", type=int, help="rounds per conversation (default: 4; long-history: 30)")
-    work.add_argument("--request-length", type=int, help="new tokens per round (default: 512)")
-    work.add_argument("--output-length", type=int, default=8, help="generated tokens per round (default: %(default)s)")
-    work.add_argument("--max-running", type=int, default=4, help="most requests running at once (default: %(default)s)")
-    work.add_argument("--no-round-barrier", action="store_true", help="let each client start its next round as soon as it can")
-    work.add_argument("--seed", type=int, default=0)
-    tiers = bench.add_argument_group("tiers and cache")
-    tiers.add_argument("--tiers", help="comma-separated configurations to compare (default: L1,L1+L2,L1+L2+L3)")
-    tiers.add_argument("--device-tokens", type=int, help="L1 capacity in tokens (default: 12288; long-history: 32768)")
-    tiers.add_argument("--host-ratio", type=float, default=1.0, help="L2 capacity as a multiple of L1 (default: %(default)s)")
-    tiers.add_argument("--page-size", type=int, default=64, help="tokens per page (default: %(default)s)")
-    tiers.add_argument("--layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
-    tiers.add_argument("--write-policy", default="write_through", choices=["write_through", "write_through_selective", "write_back"])
-    tiers.add_argument("--stop-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"])
-    tiers.add_argument("--prefetch-threshold", type=int, default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
-    compute = bench.add_argument_group("compute")
-    compute.add_argument("--model", default="modeled", choices=["modeled", "reference"], help="modeled cost, or the real tiny model (default: %(default)s)")
-    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: 4,000, Qwen2.5-7B on an NVIDIA L4)")
-    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: 50 ms, same GPU)")
-    compute.add_argument("--layers", type=int, default=None, help="modeled KV layers (default: 28, Qwen2.5-7B)")
-    compute.add_argument("--kv-heads", type=int, default=None, help="modeled KV heads (default: 4)")
-    compute.add_argument("--head-dim", type=int, default=None, help="modeled head dim (default: 128)")
-    compute.add_argument("--dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16", "float16", "float32"], help="KV dtype (default: %(default)s)")
-    bench.add_argument("--compare-stop-policies", action="store_true", help="instead: L1+L2+L3 under each stop policy, expensive and cheap recompute")
-    bench.add_argument("--cheap-prefill-tokens-per-s", type=float, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
-    bench.add_argument("--out", default="results", help="directory for bench.{json,md,png} (default: %(default)s)")
-    bench.set_defaults(run=run_bench)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from hicache_core.bench.report import render_markdown, render_stop_policies, write_outputs
-    from hicache_core.bench.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
-    from hicache_core.bench.workload import Workload
-    from hicache_core.controller import StopPolicy, WritePolicy
-    from hicache_storage.config import load_config_source
-
-    shape = dict(PRESETS[args.preset])
-    shape.update({name: getattr(args, name) for name in shape if getattr(args, name) is not None})
-    try:
-        tiers = tuple(TIER_CHOICES[t.strip()] for t in shape["tiers"].split(","))
-    except KeyError as exc:
-        raise SystemExit(f"hicache-storage bench: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
-    try:
-        workload = Workload(shape["clients"], shape["rounds"], shape["request_length"], args.output_length, args.max_running, not args.no_round_barrier, args.seed)
-    except ValueError as exc:
-        raise UsageError(f"bench: {exc}") from None
-    modeled = {
-        "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "decode_step_s": args.decode_step_ms / 1e3 if args.decode_step_ms is not None else None,
-        "layers": args.layers,
-        "kv_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-    }
-    try:
-        config = BenchConfig(
-            workload=workload,
-            tiers=tiers,
-            model=args.model,
-            dtype=args.dtype,
-            page_size=args.page_size,
-            device_tokens=shape["device_tokens"],
-            host_ratio=args.host_ratio,
-            layout=args.layout,
-            write_policy=WritePolicy(args.write_policy),
-            stop_policy=StopPolicy(args.stop_policy),
-            prefetch_threshold=args.prefetch_threshold,
-            backend=args.backend,
-            backend_config=load_config_source(args.config) if args.config else None,
-            **{name: value for name, value in modeled.items() if value is not None},
-        )
-    except ValueError as exc:
-        raise UsageError(f"bench: {exc}") from None
-    from tqdm import tqdm
-
-    runs = 2 * len(StopPolicy) if args.compare_stop_policies else len(tiers)
-    with tqdm(total=runs * workload.rounds, unit="round", desc="bench") as bar:
-
-        def progress(label: str, round_: int) -> None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
-        if args.compare_stop_policies:
-            result = stop_policy_comparison(config, args.cheap_prefill_tokens_per_s, progress)
-        else:
-            result = run_bench(config, progress)
-    written = write_outputs(result, Path(args.out), "bench-stop-policies" if args.compare_stop_policies else "bench")
-    print(render_stop_policies(result) if args.compare_stop_policies else render_markdown(result))
-    print("written: " + ", ".join(str(p) for p in written))
-    return 0
 
 
 def parse_size(text: str) -> int:
