@@ -369,12 +369,7 @@ class CacheController:
             self.tree.unlock(match.host_node)
             self.tree.lock(match.device_node)
             return match.device_node, None
-        nodes: list[TreeNode] = []
-        node = match.host_node
-        while node is not match.device_node:
-            nodes.append(node)
-            node = node.parent  # type: ignore[assignment]
-        nodes.reverse()
+        nodes = self.tree.path(match.host_node, below=match.device_node)
         host_parts, offset = [], 0
         for node in nodes:
             assert node.host_value is not None and node.device_value is None

@@ -489,9 +489,12 @@ class RadixTree:
             n.host_ref -= 1
             assert n.host_ref >= 0, n
 
-    def path(self, node: TreeNode) -> list[TreeNode]:
-        """The nodes from the root's child down to ``node`` (empty for the root)."""
-        return _path(node, self.root)
+    def path(self, node: TreeNode, below: TreeNode | None = None) -> list[TreeNode]:
+        """The nodes from the root's child (or ``below``'s, an ancestor of ``node``) down to ``node``.
+
+        Empty when ``node`` is the root (or ``below`` itself).
+        """
+        return _path(node, self.root if below is None else below)
 
     def device_slots(self, node: TreeNode) -> torch.Tensor:
         """The device slots of the whole path to ``node``, in token order (every node on it must be on the device)."""
