@@ -124,11 +124,6 @@ class PageAllocator:
         with self._lock:
             return len(self._free)
 
-    @property
-    def pinned_pages(self) -> int:
-        with self._lock:
-            return len(self._pins)
-
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots of ``ceil(num_tokens / page_size)`` fresh pages, or ``None`` if that many are not free."""
         count = -(-num_tokens // self.page_size)
