@@ -61,7 +61,7 @@ class BenchConfig:
     host_ratio: float = 1.0
     layout: str = "page_first"
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    stop_policy: StopPolicy = StopPolicy.BEST_EFFORT
+    stop_policy: StopPolicy = PrefetchConfig.stop_policy
     prefetch_threshold: int = 256
     #: L3 backend; ``None`` is the embedded default: the file connector in a temporary directory.
     backend: str | None = None
