@@ -1,6 +1,5 @@
 """Admission under memory pressure and the write path's corner cases (issue 14's findings).
 
-* ``best_effort`` takes what has arrived, but never stops an op before its first batch is back.
 * A request that fits an empty device pool is never refused, whatever waiting requests pin and
   whatever prefetches are in flight (randomized: long histories, tiny pools, every stop policy);
   outputs stay bit-identical to no cache.
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import uuid
 
 import pytest
@@ -21,10 +19,7 @@ from hicache_core.controller import ControllerConfig, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineCapacityError, EngineConfig, Request
 from hicache_core.model import ModelConfig
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
-from hicache_storage.connectors.memory import MemoryBackend
-from hicache_storage.keys import page_hashes
 
-from test_core_controller import SCOPE, GEOMETRY, RecordingBackend, make_controller, plan
 from test_core_differential import assert_identical
 
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
@@ -41,29 +36,6 @@ def engine_config(tiers: CacheTiers, stop: StopPolicy = StopPolicy.WAIT_COMPLETE
     )
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
-
-
-def test_best_effort_waits_for_the_first_batch():
-    controller = make_controller(page_size=2, threshold_tokens=2, stop_policy=StopPolicy.BEST_EFFORT)
-    backend = RecordingBackend()
-    tokens = list(range(8))
-    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
-    backend.get_gate = threading.Event()
-    controller.attach_storage(backend, SCOPE)
-    prefetcher = controller.prefetcher
-    try:
-        op = plan(controller, tokens + [0])
-        assert prefetcher.try_issue(op)
-        assert not prefetcher.ready(op), "stopping now would read nothing although the store holds every page"
-        assert backend.get_entered.wait(30)
-        assert not prefetcher.ready(op), "the first batch is still being read"
-        backend.get_gate.set()
-        assert op.first_batch.wait(30)
-        assert prefetcher.ready(op)
-        assert prefetcher.finish(op) == 8
-    finally:
-        backend.get_gate.set()
-        controller.close()
 
 
 def test_a_request_larger_than_the_device_pool_is_refused_at_submit():
