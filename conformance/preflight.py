@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_storage.errors import StorageError
+from hicache_storage.errors import ErrorStatus, StorageError
 
 
 def check_options(backend: str, config: Any, wrappers: Any) -> None:
@@ -31,7 +31,9 @@ def check_options(backend: str, config: Any, wrappers: Any) -> None:
     except StorageError:
         raise
     except Exception as exc:  # a connector's own bug or a client library's error: still one line
-        raise StorageError(f"cannot open the backend with this config: {type(exc).__name__}: {exc}", backend=backend) from exc
+        raise StorageError(
+            f"cannot open the backend with this config: {type(exc).__name__}: {exc}", backend=backend, status=ErrorStatus.PERMANENT
+        ) from exc
     try:
         store = wrap(store, wrappers)  # on a bad spec, nothing is wrapped and the bare store is closed
     finally:

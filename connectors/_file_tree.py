@@ -18,7 +18,7 @@ import stat
 import sys
 from typing import Any
 
-from hicache_storage.errors import ConfigError, InvalidKeyError, PermissionDeniedError, StorageError
+from hicache_storage.errors import ConfigError, ErrorStatus, InvalidKeyError, PermissionDeniedError, StorageError
 from hicache_storage.keys import PageKey
 
 # The file backend's logger, so one name configures everything that backend does.
@@ -133,7 +133,11 @@ class PageDirectories:
                     backend="file",
                 )
             if not stat.S_ISDIR(st.st_mode):
-                raise StorageError(f"{path!r} should be a directory of pages but is not; remove it", backend="file")
+                raise StorageError(
+                    f"{path!r} should be a directory of pages but is not; remove it",
+                    backend="file",
+                    status=ErrorStatus.PERMANENT,
+                )
             self._verified.add(rel)
         return True
 

@@ -12,9 +12,11 @@ import time
 import pydantic
 
 from hicache_storage.connectors._hf3fs_index import Location
+from hicache_storage.connectors._redis_errors import reply_status
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
+    ErrorStatus,
     MissingDependencyError,
     PermissionDeniedError,
     StorageError,
@@ -193,7 +195,8 @@ def typed_redis_error(exc: BaseException, where: str, operation: str) -> Storage
     elif isinstance(exc, redis.ConnectionError):
         kind, message = BackendUnavailableError, f"{what} is unreachable: {type(exc).__name__}"
     else:
-        kind, message = StorageError, f"{what} failed: {type(exc).__name__}"
+        status = ErrorStatus.TEMPORARY if isinstance(exc, redis.exceptions.ReadOnlyError) else reply_status(str(exc))
+        return StorageError(f"{what} failed: {type(exc).__name__}", backend="hf3fs", operation=operation, status=status)
     return kind(message, backend="hf3fs", operation=operation)
 
 

@@ -16,6 +16,7 @@ from hicache_storage.errors import (
     BackendUnavailableError,
     CapacityError,
     ConfigError,
+    ErrorStatus,
     PermissionDeniedError,
     StorageError,
     StorageTimeoutError,
@@ -32,9 +33,20 @@ _AUTH_FAILURE_MARKERS = (
 )
 
 
+# Error replies that say the server cannot serve now but will: loading its data, busy with a
+# script, a replica during failover, a cluster slot moving.
+_PASSING_REPLIES = ("LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MASTER_DOWN")
+
+
 def is_auth_failure(message: str) -> bool:
     """Whether a server's error text says the password was rejected or missing."""
     return any(marker in message for marker in _AUTH_FAILURE_MARKERS)
+
+
+def reply_status(message: str) -> ErrorStatus:
+    """Whether a Redis error reply of no other known kind may pass (``LOADING``, ``READONLY``, ...);
+    anything else (``WRONGTYPE``, an unknown command, a module's refusal) needs a fix."""
+    return ErrorStatus.TEMPORARY if message.lstrip().startswith(_PASSING_REPLIES) else ErrorStatus.PERMANENT
 
 
 class RedisErrors:
@@ -120,7 +132,12 @@ class RedisErrors:
             return BackendUnavailableError(
                 f"cannot use {where}: {detail.rstrip('.')}{hint}", backend=self._backend, operation=operation
             )
-        return StorageError(f"{where} failed: {type(exc).__name__}: {detail}", backend=self._backend, operation=operation)
+        return StorageError(
+            f"{where} failed: {type(exc).__name__}: {detail}",
+            backend=self._backend,
+            operation=operation,
+            status=ErrorStatus.TEMPORARY if isinstance(exc, exceptions.ReadOnlyError) else reply_status(detail),
+        )
 
     def redact(self, text: str) -> str:
         """``text`` with the password and any URL userinfo password masked."""

@@ -96,6 +96,7 @@ from hicache_storage.connectors._file_tree import (
 from hicache_storage.errors import (
     BackendClosedError,
     CapacityError,
+    ErrorStatus,
     InvalidKeyError,
     PermissionDeniedError,
     StorageError,
@@ -112,6 +113,11 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+#: OS errors that may pass: a busy or flaky device, a stale network mount, exhausted descriptors
+#: or memory. Any other errno (a name too long, a file where a directory belongs) needs a fix.
+_TRANSIENT = frozenset(
+    {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ETIMEDOUT, errno.ESTALE, errno.ENOLCK}
+)
 
 _COUNTERS = (
     *EVICTION_COUNTERS,
@@ -484,4 +490,5 @@ class FileBackend(StorageBackend):
             )
         if exc.errno in _NO_SPACE:
             return CapacityError(where + "; free disk space", backend=self.name, operation=operation, key=key)
-        return StorageError(where, backend=self.name, operation=operation, key=key)
+        status = ErrorStatus.TEMPORARY if exc.errno in _TRANSIENT else ErrorStatus.PERMANENT
+        return StorageError(where, backend=self.name, operation=operation, key=key, status=status)

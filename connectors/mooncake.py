@@ -91,6 +91,7 @@ from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
     BackendUnavailableError,
     ConfigError,
+    ErrorStatus,
     InvalidArgumentError,
     MissingDependencyError,
     StorageError,
@@ -411,7 +412,13 @@ class MooncakeBackend(StorageBackend):
         code = self._store.remove_by_regex(pattern, False)
         if code < 0:
             self._raise_if_unreachable("clear", [code])
-            raise StorageError(f"Mooncake remove_by_regex failed with code {code}", backend=self.name, operation="clear")
+            # A page under a read lease goes once the lease ends; other codes need a fix.
+            raise StorageError(
+                f"Mooncake remove_by_regex failed with code {code}",
+                backend=self.name,
+                operation="clear",
+                status=ErrorStatus.TEMPORARY if code == OBJECT_HAS_LEASE else ErrorStatus.PERMANENT,
+            )
 
     def _register_buffer(self, view: memoryview) -> None:
         address = _address(view)
@@ -456,7 +463,10 @@ class MooncakeBackend(StorageBackend):
         code = self._store.register_buffer(address, size)
         if code != 0:
             raise StorageError(
-                f"Mooncake register_buffer of {size} bytes failed with code {code}", backend=self.name, operation="register_buffer"
+                f"Mooncake register_buffer of {size} bytes failed with code {code}; check protocol and device_name in the config",
+                backend=self.name,
+                operation="register_buffer",
+                status=ErrorStatus.PERMANENT,
             )
         with self._registered_lock:
             bisect.insort(self._registered, (address, address + size))

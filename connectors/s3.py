@@ -44,6 +44,7 @@ from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
     ConfigError,
+    ErrorStatus,
     MissingDependencyError,
     PermissionDeniedError,
     StorageError,
@@ -326,10 +327,16 @@ class S3Backend(StorageBackend):
         errors = response.get("Errors") or []
         if errors:
             first = errors[0]
-            raise StorageError(
+            code = str(first.get("Code") or "")
+            message = (
                 f"S3 refused to delete {len(errors)} of {len(objects)} objects, e.g. {first.get('Key')!r}: "
-                f"{first.get('Code')} {first.get('Message', '')}".rstrip()
+                f"{code} {first.get('Message', '')}".rstrip()
             )
+            if code in _AUTH:
+                raise AuthenticationError(f"{message}; check access_key_id / secret_access_key")
+            if code in _DENIED:
+                raise PermissionDeniedError(f"{message}; the key's policy must allow s3:DeleteObject")
+            raise StorageError(message, status=ErrorStatus.TEMPORARY if code in _PASSING else ErrorStatus.PERMANENT)
 
     # --- batches, probing and errors ----------------------------------------------------------
 
@@ -487,6 +494,9 @@ _AUTH = frozenset(
     {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidClientTokenId", "AuthorizationHeaderMalformed"}
 )
 _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "429"})
+_DENIED = frozenset({"AccessDenied", "403", "AllAccessDisabled"})
+#: Refusals that may pass: the server's own trouble, a request it timed out, a conflicting operation.
+_PASSING = _THROTTLED | {"InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted", "500", "503"}
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -517,13 +527,23 @@ def _translate(exc: BaseException, endpoint: str, bucket: str) -> StorageError |
             return AuthenticationError(
                 f"{endpoint} rejected the credentials ({said}); check access_key_id / secret_access_key"
             )
-        if code in ("AccessDenied", "403", "AllAccessDisabled"):
+        if code == "403":  # a HEAD answer has no body, so a wrong secret and a denied request look alike
+            return PermissionDeniedError(
+                f"{endpoint} refused access to bucket {bucket!r} (HTTP 403 to a HEAD request, which gives no reason); "
+                "check access_key_id / secret_access_key, then the key's policy"
+            )
+        if code in _DENIED:
             return PermissionDeniedError(f"{endpoint} denied access to bucket {bucket!r} ({said}); check the key's policy")
         if code in _THROTTLED or status == 503:
             return ThrottledError(f"{endpoint} asked to slow down ({said}); lower max_concurrency or retry later")
         if status is not None and status >= 500:
             return BackendUnavailableError(f"{endpoint} failed with HTTP {status} ({said})")
-        return StorageError(f"{endpoint} refused the request with HTTP {status} ({said})")
+        if code in _PASSING or status in (408, 409):
+            return StorageError(f"{endpoint} refused the request with HTTP {status} ({said}); it may pass", status=ErrorStatus.TEMPORARY)
+        return StorageError(
+            f"{endpoint} refused the request with HTTP {status} ({said}); the request or the store's settings need a fix",
+            status=ErrorStatus.PERMANENT,
+        )
     if isinstance(exc, (bce.ConnectTimeoutError, bce.ReadTimeoutError, TimeoutError)) or "timeout" in type(exc).__name__.lower():
         return StorageTimeoutError(f"{endpoint} did not answer in time ({type(exc).__name__}); check the store or raise the timeouts")
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):

@@ -1,31 +1,57 @@
 """One error hierarchy for every connector and wrapper.
 
-Everything a backend raises on purpose is a :class:`StorageError`. Two kinds matter to callers:
+Everything a backend raises on purpose is a :class:`StorageError`. Each carries two separate
+things: its *kind*, the class, which says what failed (:class:`AuthenticationError`,
+:class:`BackendUnavailableError`, ...), and its *status* (:class:`ErrorStatus`), which says
+whether trying again can help:
 
-* :class:`RetryableError`: the same call may succeed later (a dropped connection, a timeout, a
-  throttled request). The retry wrapper retries these, and only these.
-* :class:`PermanentError`: retrying cannot help (bad input, bad credentials, an operation the
-  backend does not support). Fix the cause.
+* ``TEMPORARY``: the same call may succeed later (a dropped connection, a timeout, a throttled
+  request). The retry wrapper retries these, and only these; the HiCache core keeps calling.
+* ``PERMANENT``: retrying cannot help (bad credentials, bad input, a connector that breaks the
+  contract). Fix the cause; the HiCache core stops calling the store and says so once.
+* ``PERSISTENT``: it was temporary, but a retry wrapper gave up on it; callers treat it as
+  permanent for this call's purposes (it is not retried again further up).
+
+Every class has a default status (:class:`RetryableError` and its subclasses temporary,
+everything else permanent); a raise may override it with ``status=``, as connectors do for
+errors whose class does not decide it (an OS error by its errno, an HTTP refusal by its code).
+``retryable`` stays as ``status is TEMPORARY``, for code written against the class split.
 
 A miss is never an error: reads and exists return per-key results.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 
+class ErrorStatus(str, enum.Enum):
+    """Whether trying the failed call again can help (OpenDAL's ``ErrorStatus``)."""
+
+    #: It may succeed later: retry, keep using the store.
+    TEMPORARY = "temporary"
+    #: It cannot succeed until someone fixes the cause: do not retry, stop using the store.
+    PERMANENT = "permanent"
+    #: It was temporary, but retries gave up: do not retry it again.
+    PERSISTENT = "persistent"
+
+
 class StorageError(Exception):
     """Base of every error this SDK raises on purpose.
 
     ``backend``, ``operation`` and ``key`` say where it happened (each may be ``None``).
-    Messages never contain credentials: connectors redact URLs and secrets before raising.
+    ``status`` says whether trying again can help: the class's ``default_status`` unless the
+    raise passes ``status=``. Messages never contain credentials: connectors redact URLs and
+    secrets before raising.
     """
 
-    retryable: bool = False
+    #: The status of an error raised without ``status=``; a connector that raises a plain
+    #: StorageError for something that may pass should say ``status=ErrorStatus.TEMPORARY``.
+    default_status: ErrorStatus = ErrorStatus.PERMANENT
 
     def __init__(
         self,
@@ -34,12 +60,24 @@ class StorageError(Exception):
         backend: str | None = None,
         operation: str | None = None,
         key: object | None = None,
+        status: ErrorStatus | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.backend = backend
         self.operation = operation
         self.key = key
+        self.status = self.default_status if status is None else ErrorStatus(status)
+
+    @property
+    def retryable(self) -> bool:
+        """Whether trying again may help (``status`` is ``TEMPORARY``)."""
+        return self.status is ErrorStatus.TEMPORARY
+
+    @property
+    def permanent(self) -> bool:
+        """Whether a caller should stop calling the store for now (``PERMANENT`` or ``PERSISTENT``)."""
+        return self.status is not ErrorStatus.TEMPORARY
 
     def __str__(self) -> str:
         where = [
@@ -58,13 +96,13 @@ class StorageError(Exception):
 
 
 class RetryableError(StorageError):
-    """The operation may succeed if tried again later."""
+    """The operation may succeed if tried again later (status ``TEMPORARY`` by default)."""
 
-    retryable = True
+    default_status = ErrorStatus.TEMPORARY
 
 
 class PermanentError(StorageError):
-    """Retrying will not help; the cause must be fixed."""
+    """Retrying will not help; the cause must be fixed (status ``PERMANENT`` by default)."""
 
 
 # --- retryable ----------------------------------------------------------------------------------
@@ -164,7 +202,14 @@ class InvalidArgumentError(PermanentError, ValueError):
 
 
 class CapacityError(PermanentError):
-    """The store is full and cannot make room (nothing evictable)."""
+    """The store is full and cannot make room (nothing evictable).
+
+    Temporary by default although a PermanentError by class: retrying at once rarely helps, but
+    space comes back (eviction, expiry, another client's deletes, an operator), and reads from a
+    full store still work, so a caller should not give the store up over it.
+    """
+
+    default_status = ErrorStatus.TEMPORARY
 
 
 class BackendContractError(PermanentError):
@@ -181,8 +226,10 @@ class BackendClosedError(PermanentError):
 class ConfigError(PermanentError, ValueError):
     """A configuration value is invalid. The message names the field, the value and what is allowed."""
 
-    def __init__(self, message: str, *, field: str | None = None, backend: str | None = None) -> None:
-        super().__init__(message, backend=backend)
+    def __init__(
+        self, message: str, *, field: str | None = None, backend: str | None = None, status: ErrorStatus | None = None
+    ) -> None:
+        super().__init__(message, backend=backend, status=status)
         self.field = field
 
 

@@ -10,7 +10,9 @@ from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
+    ErrorStatus,
     InvalidKeyError,
+    StorageError,
     StorageTimeoutError,
     ThrottledError,
 )
@@ -79,6 +81,7 @@ def test_the_last_error_is_raised_when_attempts_run_out():
     with pytest.raises(BackendUnavailableError) as caught:
         store.exists(keys(1))
     assert caught.value is error
+    assert caught.value.status is ErrorStatus.PERSISTENT and caught.value.permanent and not caught.value.retryable
     assert "gave up after 3 tries" in caught.value.__notes__[-1]
     assert inner.tries == 3 and len(clock.pauses) == 2
     assert store.stats()["retries_exhausted"] == 1
@@ -92,6 +95,30 @@ def test_permanent_errors_and_bugs_pass_through_at_once(error):
         store.exists(keys(1))
     assert inner.tries == 1 and clock.pauses == []
     assert store.stats()["retries"] == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "tries"),
+    [
+        (StorageError("EMFILE", status=ErrorStatus.TEMPORARY), 3),  # the status decides, not the class
+        (BackendUnavailableError("refused", status=ErrorStatus.PERMANENT), 1),
+        (StorageError("of no declared status"), 1),
+    ],
+)
+def test_the_status_decides_what_is_retried(error, tries):
+    inner = Flaky(10, error)
+    store, _ = retrying(inner, attempts=3)
+    with pytest.raises(StorageError):
+        store.exists(keys(1))
+    assert inner.tries == tries
+
+
+def test_an_error_an_inner_retry_gave_up_on_is_not_retried_again():
+    inner = Flaky(100, BackendUnavailableError("down"))
+    store, _ = retrying(RetryWrapper(inner, {"attempts": 2, "base_seconds": 0.001}), attempts=5)
+    with pytest.raises(BackendUnavailableError) as caught:
+        store.exists(keys(1))
+    assert inner.tries == 2 and caught.value.status is ErrorStatus.PERSISTENT
 
 
 def test_no_retry_starts_after_the_deadline():

@@ -1,12 +1,15 @@
-"""Retries with exponential backoff and full jitter, for retryable errors only.
+"""Retries with exponential backoff and full jitter, for temporary errors only.
 
-A call that raises a :class:`~hicache_storage.errors.RetryableError` (unavailable, timeout,
-throttled) is tried again after a random pause drawn uniformly from
-``[0, min(cap_seconds, base_seconds * 2**n))`` for the n-th retry ("full jitter": many clients
-hit by the same outage spread out instead of retrying in lockstep). It stops after ``attempts``
-tries in total, or earlier when the next pause would end past ``deadline_seconds`` from the first
-try; the last error is then raised unchanged. Permanent errors, and anything that is not a
-``StorageError``, pass through at once.
+A call that raises a :class:`~hicache_storage.errors.StorageError` whose status is
+``TEMPORARY`` (unavailable, timeout, throttled, by default every
+:class:`~hicache_storage.errors.RetryableError`) is tried again after a random pause drawn
+uniformly from ``[0, min(cap_seconds, base_seconds * 2**n))`` for the n-th retry ("full jitter":
+many clients hit by the same outage spread out instead of retrying in lockstep). It stops after
+``attempts`` tries in total, or earlier when the next pause would end past ``deadline_seconds``
+from the first try; the last error is then raised with its status set to ``PERSISTENT`` (a
+wrapper further up does not retry it again, and the HiCache core stops calling the store).
+Permanent and persistent errors, and anything that is not a ``StorageError``, pass through at
+once.
 
 Put ``retry`` outside ``timeout`` (``retry(timeout(store))``): the deadline is checked between
 tries, so only a timeout below it bounds how long one try can take.
@@ -29,7 +32,7 @@ import pydantic
 from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import RetryableError
+from hicache_storage.errors import ErrorStatus, StorageError
 from hicache_storage.keys import Namespace, PageKey
 from hicache_storage.wrappers.base import BackendWrapper
 
@@ -55,7 +58,7 @@ class RetryConfig(BackendConfig):
 
 
 class RetryWrapper(BackendWrapper):
-    """Retries retryable errors with backoff; thread-safe (each call keeps its own count)."""
+    """Retries temporary errors with backoff; thread-safe (each call keeps its own count)."""
 
     kind = "retry"
     Config = RetryConfig
@@ -101,10 +104,13 @@ class RetryWrapper(BackendWrapper):
             tries += 1
             try:
                 return fn()
-            except RetryableError as exc:
+            except StorageError as exc:
+                if exc.status is not ErrorStatus.TEMPORARY:
+                    raise
                 pause = self.backoff(tries) if tries < self.config.attempts else None
                 if pause is None or (deadline is not None and self._clock() + pause > deadline):
                     self._count(retries_exhausted=1)
+                    exc.status = ErrorStatus.PERSISTENT
                     if hasattr(exc, "add_note"):  # Python 3.11+
                         exc.add_note(f"{self.name}: gave up after {tries} tr{'y' if tries == 1 else 'ies'}")
                     raise
