@@ -1,4 +1,5 @@
-"""Find backends by name: built-ins, entry points, ``package.module:ClassName``, or ``sglang:NAME``.
+"""Find backends by name: built-ins (ours, and SGLang's judged through the reverse adapter), entry points,
+or ``package.module:ClassName``.
 
 Nothing here imports a connector until it is asked for, so listing backends costs no client
 library imports, and a missing optional dependency is reported with the extra that provides it.
@@ -55,6 +56,14 @@ BUILTINS: dict[str, BackendSpec] = {
         ),
         BackendSpec("hf3fs", _C + "hf3fs:HF3FSBackend", "hf3fs", summary="3FS: pre-sized per-rank files of page slots"),
         BackendSpec("fsspec", _C + "fsspec:FsspecBackend", "fsspec", ("fsspec",), summary="any fsspec URL (memory://, file://, s3://...)"),
+        # SGLang's own backends, to judge them with the suite (hicache_storage.sglang_reverse): one
+        # entry per backend whose capabilities that module declares.
+        BackendSpec(
+            "sglang:file",
+            "hicache_storage.sglang_reverse:SGLangFileBackend",
+            requires=("sglang",),
+            summary="SGLang's own HiCacheFile, through the reverse adapter",
+        ),
     )
 }
 
@@ -74,10 +83,6 @@ def resolve(name: str) -> type[StorageBackend]:
     """The backend class for a registered name or a ``package.module:ClassName`` path."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a backend name must be a non-empty string, got {name!r}", field="backend")
-    if name.startswith("sglang:"):  # one of SGLang's own backends, through the reverse adapter
-        from hicache_storage.sglang_reverse import sglang_backend_class
-
-        return sglang_backend_class(name.removeprefix("sglang:"))
     specs = known_specs()
     spec = specs.get(name)
     if spec is None:

@@ -1,7 +1,9 @@
 """Any SGLang ``HiCacheStorage`` backend as a hicache-storage ``StorageBackend``, to judge it.
 
-``sglang:NAME`` names SGLang's built-in backend ``NAME`` (as registered in SGLang's
-``StorageBackendFactory``: ``file``, ``mooncake``, ...), so the conformance suite runs against it::
+:func:`sglang_backend_class` makes the class for SGLang's backend ``NAME`` (as registered in
+SGLang's ``StorageBackendFactory``: ``file``, ``mooncake``, ...), named ``sglang:NAME``. Those
+whose capabilities :data:`KNOWN_CAPABILITIES` declares are registered under that name (the
+registry's built-in table), so the conformance suite runs against them::
 
     hicache-storage conformance sglang:file --config '{"extra_config": {"file_storage_path": "/tmp/kv"}}'
 
@@ -33,7 +35,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import BackendContractError, ConfigError, ErrorStatus, MissingDependencyError, StorageError
+from hicache_storage.errors import BackendContractError, ConfigError, MissingDependencyError, StorageError
 from hicache_storage.keys import PageKey
 
 PREFIX = "sglang:"
@@ -63,7 +65,7 @@ class SGLangStorageBackend(StorageBackend):
     def __init__(self, config: SGLangBackendConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(config)
         if not self.sglang_name:
-            raise ConfigError("use sglang_backend_class(NAME) (registry name 'sglang:NAME') to pick an SGLang backend")
+            raise ConfigError("use sglang_backend_class(NAME) (registry name e.g. 'sglang:file') to pick an SGLang backend")
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -139,13 +141,10 @@ class SGLangStorageBackend(StorageBackend):
         except StorageError:
             raise
         except Exception as exc:
-            # SGLang's backends raise untyped errors: only a lost connection or a timeout may pass.
-            passing = isinstance(exc, (ConnectionError, TimeoutError))
             raise StorageError(
                 f"SGLang's {self.sglang_name!r} backend raised {type(exc).__name__}: {exc}",
                 backend=self.name,
                 operation=operation,
-                status=ErrorStatus.TEMPORARY if passing else ErrorStatus.PERMANENT,
             ) from exc
 
 
@@ -166,7 +165,7 @@ def _target_tensor(target: Segments) -> Any:
 
 @cache
 def sglang_backend_class(sglang_name: str) -> type[SGLangStorageBackend]:
-    """The StorageBackend class for SGLang's backend ``sglang_name`` (registry name ``sglang:NAME``)."""
+    """The StorageBackend class for SGLang's backend ``sglang_name``, named ``sglang:NAME``."""
     if not sglang_name:
         raise ConfigError("name an SGLang backend after the prefix, e.g. 'sglang:file'", field="backend")
     if importlib.util.find_spec("sglang") is None:
@@ -185,7 +184,7 @@ def sglang_backend_class(sglang_name: str) -> type[SGLangStorageBackend]:
 
 
 def __getattr__(attr: str) -> Any:
-    # ``hicache_storage.sglang_reverse:SGLangFileBackend`` also names the class, for import-path use.
+    # The class the registry's ``sglang:file`` names, made on first use.
     if attr == "SGLangFileBackend":
         return sglang_backend_class("file")
     raise AttributeError(attr)

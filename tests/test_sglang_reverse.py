@@ -16,10 +16,10 @@ import torch
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.errors import ConfigError, StorageError
 from hicache_storage.keys import KeyScope, Namespace
-from hicache_storage.registry import create_backend
+from hicache_storage.registry import create_backend, resolve
 from hicache_storage.sglang_reverse import SGLangStorageBackend, sglang_backend_class
 
-SGLANG_FILE = "hicache_storage.sglang_reverse:SGLangFileBackend"
+SGLANG_FILE = "sglang:file"  # a registered name
 
 #: Clause (test name, without parameters) -> why SGLang's HiCacheFile fails it.
 SGLANG_FILE_FINDINGS = {
@@ -69,6 +69,11 @@ def test_backend_classes_are_named_for_sglangs_registry() -> None:
     assert cls.capabilities.persistent and not cls.capabilities.delete and not cls.capabilities.clear
     with pytest.raises(ConfigError, match="sglang:file"):
         sglang_backend_class("")
+
+
+def test_sglang_file_is_a_registered_name_for_the_same_class() -> None:
+    assert resolve("sglang:file") is sglang_backend_class("file")
+    assert resolve("hicache_storage.sglang_reverse:SGLangFileBackend") is sglang_backend_class("file")
 
 
 def test_an_unknown_sglang_backend_is_a_config_error() -> None:
