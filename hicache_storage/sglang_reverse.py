@@ -35,7 +35,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import BackendContractError, ConfigError, MissingDependencyError, StorageError
+from hicache_storage.errors import BackendContractError, ConfigError, ErrorStatus, MissingDependencyError, StorageError
 from hicache_storage.keys import PageKey
 
 PREFIX = "sglang:"
@@ -141,10 +141,13 @@ class SGLangStorageBackend(StorageBackend):
         except StorageError:
             raise
         except Exception as exc:
+            # SGLang's backends raise untyped errors: only a lost connection or a timeout may pass.
+            passing = isinstance(exc, (ConnectionError, TimeoutError))
             raise StorageError(
                 f"SGLang's {self.sglang_name!r} backend raised {type(exc).__name__}: {exc}",
                 backend=self.name,
                 operation=operation,
+                status=ErrorStatus.TEMPORARY if passing else ErrorStatus.PERMANENT,
             ) from exc
 
 
