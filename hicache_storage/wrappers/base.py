@@ -21,7 +21,7 @@ wrappers below it, so the outermost ``stats()`` shows every layer's events.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from hicache_storage.backend import _STAT_NAMES, StorageBackend
 from hicache_storage.buffers import Segments
@@ -31,6 +31,10 @@ from hicache_storage.errors import InvalidArgumentError, StorageError
 from hicache_storage.keys import Namespace, PageKey
 
 W = TypeVar("W", bound="BackendWrapper")
+
+#: A backend operation by name: what the retry, metrics and faults wrappers act on, count or break.
+Operation = Literal["exists", "get", "put", "delete", "clear", "register_buffer"]
+OPERATIONS: tuple[Operation, ...] = get_args(Operation)
 
 
 class BackendWrapper(StorageBackend):

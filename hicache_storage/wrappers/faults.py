@@ -84,7 +84,7 @@ from hicache_storage.errors import (
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.wrappers.base import BackendWrapper
+from hicache_storage.wrappers.base import OPERATIONS, BackendWrapper
 
 #: The errors a fault can raise, by the name used in ``errors``.
 ERROR_KINDS: dict[str, type[Exception]] = {
@@ -105,7 +105,6 @@ ERROR_KINDS: dict[str, type[Exception]] = {
     "storage": StorageError,
     "runtime": RuntimeError,
 }
-OPERATIONS = ("exists", "get", "put", "delete", "clear", "register_buffer")
 #: Page faults and the operations they apply to.
 _PAGE_FAULTS = {
     "corrupt_rate": ("get", "put"),

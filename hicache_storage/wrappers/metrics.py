@@ -33,9 +33,8 @@ from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import MissingDependencyError
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.wrappers.base import BackendWrapper, unwrap
+from hicache_storage.wrappers.base import OPERATIONS, BackendWrapper, unwrap
 
-OPERATIONS = ("exists", "get", "put", "delete", "clear", "register_buffer")
 #: Latency bucket upper bounds in seconds, from a local memory hit to a stalled network store.
 DEFAULT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -25,7 +25,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import pydantic
 
@@ -34,14 +34,11 @@ from hicache_storage.buffers import Segments
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import ErrorStatus, StorageError
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.wrappers.base import BackendWrapper
+from hicache_storage.wrappers.base import OPERATIONS, BackendWrapper, Operation
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-Operation = Literal["exists", "get", "put", "delete", "clear", "register_buffer"]
-OPERATIONS: tuple[Operation, ...] = ("exists", "get", "put", "delete", "clear", "register_buffer")
 
 
 class RetryConfig(BackendConfig):
