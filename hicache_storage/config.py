@@ -90,23 +90,31 @@ def load_config_source(value: Mapping[str, Any] | str | Path | None) -> dict[str
 
 
 def _load_file(path: Path) -> dict[str, Any]:
+    data = read_config_file(path)
+    return _require_mapping({} if data is None else data, f"config file {str(path)!r}")
+
+
+def read_config_file(path: Path, what: str = "config file", field: str | None = None) -> Any:
+    """The data in a .json, .toml, .yaml or .yml file, by its suffix (``None`` for an empty YAML file).
+
+    Every failure (another suffix, an unreadable file, bad syntax) is a :class:`ConfigError` that
+    names ``what`` and the path, with ``field`` set to ``field``.
+    """
     suffix = path.suffix.lower()
     if suffix not in (".json", ".toml", ".yaml", ".yml"):
-        raise ConfigError(f"config file {str(path)!r} must end in .json, .toml, .yaml or .yml")
+        raise ConfigError(f"{what} {str(path)!r} must end in .json, .toml, .yaml or .yml", field=field)
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {str(path)!r}: {exc.strerror}", field=field) from None
     try:
         if suffix == ".json":
-            data = json.loads(raw)
-        elif suffix == ".toml":
-            data = tomllib.loads(raw.decode())
-        else:
-            data = yaml.safe_load(raw)  # safe_load: a config file can never construct objects
+            return json.loads(raw)
+        if suffix == ".toml":
+            return tomllib.loads(raw.decode())
+        return yaml.safe_load(raw)  # safe_load: a config file can never construct objects
     except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:]}: {exc}") from None
-    return _require_mapping({} if data is None else data, f"config file {str(path)!r}")
+        raise ConfigError(f"{what} {str(path)!r} is not valid {suffix[1:]}: {exc}", field=field) from None
 
 
 def _require_mapping(data: object, what: str) -> dict[str, Any]:

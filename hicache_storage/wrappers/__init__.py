@@ -23,10 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hicache_storage.backend import StorageBackend
-from hicache_storage.config import tomllib
+from hicache_storage.config import read_config_file
 from hicache_storage.errors import ConfigError
 from hicache_storage.wrappers.base import BackendWrapper, find_wrapper, unwrap
 from hicache_storage.wrappers.faults import FaultInjectionWrapper
@@ -80,7 +78,8 @@ def load_wrapper_specs(specs: WrapperSpecs) -> list[Mapping[str, Any]]:
         return []
     if isinstance(specs, Path) or (isinstance(specs, str) and specs.strip().startswith("@")):
         path = specs if isinstance(specs, Path) else Path(specs.strip()[1:]).expanduser()
-        data = _load_file(path)
+        data = read_config_file(path, "wrapper file", field="wrappers")
+        data = [] if data is None else data
         what = f"wrapper file {str(path)!r}"
     elif isinstance(specs, str):
         text = specs.strip()
@@ -100,24 +99,6 @@ def load_wrapper_specs(specs: WrapperSpecs) -> list[Mapping[str, Any]]:
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence):
         raise ConfigError(f"{what} must be a list of wrapper specs (or {{\"wrappers\": [...]}}), got {type(data).__name__}", field="wrappers")
     return list(data)
-
-
-def _load_file(path: Path) -> Any:
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".toml", ".yaml", ".yml"):
-        raise ConfigError(f"wrapper file {str(path)!r} must end in .json, .toml, .yaml or .yml", field="wrappers")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read wrapper file {str(path)!r}: {exc.strerror}", field="wrappers") from None
-    try:
-        if suffix == ".json":
-            return json.loads(raw)
-        if suffix in (".yaml", ".yml"):
-            return yaml.safe_load(raw) or []  # safe_load: a config file never constructs objects
-        return tomllib.loads(raw.decode())
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"wrapper file {str(path)!r} is not valid {suffix[1:]}: {exc}", field="wrappers") from None
 
 
 __all__ = [
