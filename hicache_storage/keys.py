@@ -56,6 +56,11 @@ def hash_page(token_ids: Iterable[int], prior_hash: str | None = None) -> str:
     return hasher.hexdigest()
 
 
+def is_page_hash(text: object) -> bool:
+    """Whether ``text`` is a well-formed page hash: 8 to 128 lowercase hex digits."""
+    return isinstance(text, str) and _HASH_RE.fullmatch(text) is not None
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
     """Hash chain over the full pages of ``token_ids``; a trailing partial page is not hashed."""
     if page_size <= 0:
@@ -197,7 +202,7 @@ class PageKey:
     page_hash: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_hash, str) or not _HASH_RE.fullmatch(self.page_hash):
+        if not is_page_hash(self.page_hash):
             raise InvalidKeyError(f"page hash must be 8-128 lowercase hex digits; got {self.page_hash!r}")
 
     def render(self, sep: str = "/") -> str:

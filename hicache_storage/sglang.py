@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -57,7 +56,7 @@ from hicache_storage.errors import (
     RetryableError,
     UnsupportedOperationError,
 )
-from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard
+from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
 from hicache_storage.multipool import HitPolicy, PoolSpec
 from hicache_storage.registry import create_backend
 
@@ -78,8 +77,6 @@ SGLANG_EXTRA_CONFIG_KEYS = frozenset(
         "tp_lcm_size",
     }
 )
-
-_HASH_RE = re.compile(r"[0-9a-f]{8,128}")
 
 
 class AdapterConfig(BackendConfig):
@@ -442,7 +439,7 @@ def page_hash_of(key: str) -> str:
     are), else the SHA-256 of the string, so any key maps to one valid page hash."""
     if not isinstance(key, str):
         raise InvalidArgumentError(f"SGLang storage keys are strings, got {type(key).__name__}")
-    return key if _HASH_RE.fullmatch(key) else hashlib.sha256(key.encode()).hexdigest()
+    return key if is_page_hash(key) else hashlib.sha256(key.encode()).hexdigest()
 
 
 def _pool_spec(transfer: PoolTransfer) -> PoolSpec:
