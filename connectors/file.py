@@ -72,12 +72,13 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pydantic
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.batching import map_all
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -94,7 +95,6 @@ from hicache_storage.connectors._file_tree import (
     remove_tree,
 )
 from hicache_storage.errors import (
-    BackendClosedError,
     CapacityError,
     ErrorStatus,
     InvalidKeyError,
@@ -452,32 +452,10 @@ class FileBackend(StorageBackend):
     # --- plumbing -----------------------------------------------------------------------------
 
     def _parallel(self, work: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
-        """Run ``work(*call)`` for each call on the pool; re-raise the first error once all are done.
-
-        Waiting for every call before raising matters: a read must never still be writing into a
-        caller's buffer after the caller got an exception back.
-        """
+        """Run ``work(*call)`` for each call on the pool; re-raise the first error once all are done (see map_all)."""
         if len(calls) <= 1 or self.config.io_threads == 1:
             return [work(*call) for call in calls]
-        futures = []
-        try:
-            for call in calls:
-                futures.append(self._pool.submit(work, *call))
-        except RuntimeError:  # the pool was shut down by a concurrent close()
-            for future in futures:
-                future.cancel()
-            wait(futures)
-            raise BackendClosedError("backend was closed during the call", backend=self.name) from None
-        results: list[T] = []
-        first_error: BaseException | None = None
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below after the others finish
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+        return map_all(self._pool, lambda call: work(*call), calls)
 
     def _error(self, exc: OSError, operation: str, key: PageKey | None, rel: str) -> StorageError:
         where = f"{operation} on {self._root}/{rel} failed: {exc.strerror or exc}"

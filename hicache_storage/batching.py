@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from typing import TypeVar
+
+from hicache_storage.errors import BackendClosedError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -19,13 +21,35 @@ def map_outcomes(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> li
     """
     if len(items) == 1:
         return [_outcome(fn, items[0])]
-    return [future.result() for future in [pool.submit(_outcome, fn, item) for item in items]]
+    futures: list[Future[tuple[R | None, BaseException | None]]] = []
+    try:
+        for item in items:
+            futures.append(pool.submit(_outcome, fn, item))
+    except RuntimeError:  # the pool was shut down by a concurrent close()
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise BackendClosedError("backend was closed during the call") from None
+    return [future.result() for future in futures]
+
+
+def map_all(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``fn`` over every item, results in order; once every call has ended, the first error (in item order) is raised.
+
+    Waiting for every call before raising matters: a read must never still be writing into a
+    caller's buffer after the caller got an exception back.
+    """
+    outcomes = map_outcomes(pool, fn, items)
+    for _, error in outcomes:
+        if error is not None:
+            raise error
+    return [result for result, _ in outcomes]  # type: ignore[misc]
 
 
 def _outcome(fn: Callable[[T], R], item: T) -> tuple[R | None, BaseException | None]:
     try:
         return fn(item), None
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - handed back: the caller raises it once every item has ended
         return None, exc
 
 
