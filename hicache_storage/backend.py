@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from hicache_storage.batching import last_write_positions
 from hicache_storage.buffers import BufferLike, Segments, as_segments, as_view, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -158,7 +159,7 @@ class StorageBackend(ABC):
                         operation="put",
                         key=key,
                     )
-        results = self._run_batches("put", keys, views, self._put_from)
+        results = self._put_batches(keys, views)
         self._count(
             put_calls=1,
             put_keys=len(keys),
@@ -273,12 +274,37 @@ class StorageBackend(ABC):
         results: list[bool] = []
         for start in range(0, len(keys), step):
             chunk = keys[start : start + step]
-            try:
-                raw = hook(chunk) if buffers is None else hook(chunk, buffers[start : start + step])
-            except StorageError as exc:
-                raise exc.with_context(backend=self.name, operation=operation)
-            results.extend(self._checked(operation, chunk, raw))
+            results.extend(self._call_hook(operation, hook, chunk, None if buffers is None else buffers[start : start + step]))
         return results
+
+    def _put_batches(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
+        """Put a batch larger than ``max_batch`` in chunks, the last chunk first.
+
+        Within one put the first pages count as the most recent (``capacity_bytes``), so the
+        chunk holding the head is written last and a store that evicts the least recent writes
+        drops a prefix's tail, not its head. In that order a key named in two chunks would end
+        with its earlier value, so only each key's last position is written, and every position
+        gets its key's result. A batch within ``max_batch`` reaches the connector as given.
+        """
+        step = self.capabilities.max_batch
+        if not step or len(keys) <= step:
+            return self._call_hook("put", self._put_from, keys, sources)
+        positions = last_write_positions(keys)
+        written = sorted(set(positions))
+        stored: dict[int, bool] = {}
+        for start in reversed(range(0, len(written), step)):
+            chunk = written[start : start + step]
+            results = self._call_hook("put", self._put_from, [keys[i] for i in chunk], [sources[i] for i in chunk])
+            stored.update(zip(chunk, results))
+        return [stored[p] for p in positions]
+
+    def _call_hook(self, operation: str, hook: Any, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
+        """One hook call on a batch within ``max_batch``: its errors name this backend, its results are checked."""
+        try:
+            raw = hook(keys) if buffers is None else hook(keys, buffers)
+        except StorageError as exc:
+            raise exc.with_context(backend=self.name, operation=operation)
+        return self._checked(operation, keys, raw)
 
     def _checked(self, operation: str, keys: list[PageKey], results: Any) -> list[bool]:
         if not isinstance(results, list) or len(results) != len(keys):

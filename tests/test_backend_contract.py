@@ -58,6 +58,52 @@ def test_batches_are_split_to_max_batch():
     assert store.batches == [3, 3, 2]
 
 
+class PutSpy(MemoryBackend):
+    """Records the keys of every _put_from call and reports the values in ``refuse`` as not stored."""
+
+    name = "put-spy"
+    capabilities = Capabilities(max_batch=3)
+
+    def __init__(self, config=None, refuse=()):
+        super().__init__(config)
+        self.puts = []
+        self.refuse = set(refuse)
+
+    def _put_from(self, keys, sources):
+        self.puts.append(list(keys))
+        stored = super()._put_from(keys, sources)
+        return [ok and b"".join(source) not in self.refuse for ok, source in zip(stored, sources)]
+
+
+def test_a_split_put_writes_the_head_last():
+    """Within one put the first pages count as the most recent, also across max_batch chunks, so
+    a store that evicts least recently written pages drops a prefix's tail, not its head."""
+    store = PutSpy()
+    ks = keys(8)
+    assert store.put(ks, [b"%d" % i for i in range(8)]) == [True] * 8
+    assert store.puts == [ks[6:8], ks[3:6], ks[0:3]]
+
+
+def test_a_split_put_with_a_key_twice_keeps_the_last_write_and_answers_every_position():
+    a, b, c, d = keys(4)
+    batch = [a, b, a, c, d, b, a]  # chunks of 3: a in the first and third, b in the first and second
+    store = PutSpy(refuse={b"b5"})  # b's last write fails: b1, written alone, would have succeeded
+    results = store.put(batch, [b"a0", b"b1", b"a2", b"c3", b"d4", b"b5", b"a6"])
+    assert results == [True, False, True, True, True, False, True], "each position gets its key's last write's result"
+    written = [k for call in store.puts for k in call]
+    assert len(written) == 4 and set(written) == {a, b, c, d}, "each key is written once"
+    assert store.get([a, c, d], 2) == [b"a6", b"c3", b"d4"]
+
+
+def test_a_put_within_max_batch_reaches_the_connector_as_given():
+    """Duplicate keys in one call are the connector's to handle (the suite checks it does)."""
+    store = PutSpy()
+    a, b = keys(2)
+    assert store.put([a, b, a], [b"a0", b"b1", b"a2"]) == [True] * 3
+    assert store.puts == [[a, b, a]]
+    assert store.get([a], 2) == [b"a2"]
+
+
 def test_prefix_exists_stops_at_the_first_batch_with_a_miss():
     store = Recording()
     ks = keys(9)
