@@ -16,7 +16,10 @@ backup and prefetch threads touch only pool memory they were handed (pinned in t
 while I/O is in flight, so no page is freed or reused under a transfer) and report back through
 queues; ``poll`` applies their results. Both threads survive any exception from the backend
 (logged and counted); a store that hangs is bounded by the SDK's timeout wrapper
-(``storage_timeout_s``). With tensor parallelism every timing-dependent decision is agreed
+(``storage_timeout_s``). A store that fails permanently (bad credentials, a connector breaking the
+contract, retries exhausted) is given up until it is detached and attached again: both threads
+skip their work without calling it, said once in the log and in the ``storage_disabled`` counter
+(see :class:`~hicache_core.storage_calls.StorageHealth`). With tensor parallelism every timing-dependent decision is agreed
 (see :mod:`hicache_core.tp`).
 """
 
@@ -41,7 +44,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
-from hicache_core.storage_calls import guarded_call, leading_successes
+from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
 from hicache_core.tp import TPContext
 from hicache_core.transfer import CopyDone, LayerLoad, Transfers
 
@@ -108,6 +111,8 @@ class CacheController:
         self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
         self.storage: StorageBackend | None = None
         self.scope: KeyScope | None = None
+        #: Whether the attached store is still called; a fresh one per attachment.
+        self.storage_health: StorageHealth | None = None
         self._pending_writes: deque[_PendingWrite] = deque()
         self._backup_queue: queue.SimpleQueue[_BackupOp | None] = queue.SimpleQueue()
         self._backup_acks: queue.SimpleQueue[_BackupOp] = queue.SimpleQueue()
@@ -124,21 +129,29 @@ class CacheController:
     # --- storage attachment -------------------------------------------------------------------
 
     def attach_storage(self, backend: StorageBackend, scope: KeyScope) -> None:
-        """Start using ``backend`` as L3 (needs a host pool); starts the backup and prefetch threads."""
+        """Start using ``backend`` as L3 (needs a host pool); starts the backup and prefetch threads.
+
+        Each attachment starts with a fresh :class:`StorageHealth`: a store given up after a
+        permanent error is called again once it is detached and attached anew.
+        """
         if self.host is None:
             raise ValueError("storage (L3) needs a host pool (L2) to stage pages in")
         if self.storage is not None:
             raise RuntimeError("a storage backend is already attached; detach it first")
+        given_name = backend.name
         backend = self.storage_stack(backend)
         try:
             backend.register_buffer(self.host.as_buffer())
         except Exception:  # registration is an optimization: a store that refuses it still works
             log.exception("registering the host pool with %s failed; continuing without", backend.name)
         self.storage, self.scope = backend, scope
-        self._backup_thread = threading.Thread(target=self._backup_loop, args=(backend,), name="hicache-backup", daemon=True)
+        health = self.storage_health = StorageHealth(self.metrics, given_name)
+        self._backup_thread = threading.Thread(
+            target=self._backup_loop, args=(backend, health), name="hicache-backup", daemon=True
+        )
         self._backup_thread.start()
         assert self.prefetcher is not None
-        self.prefetcher.start(backend, scope)
+        self.prefetcher.start(backend, scope, health)
 
     def storage_stack(self, backend: StorageBackend) -> StorageBackend:
         """``backend`` as the controller calls it: behind a zero-copy timeout (``storage_timeout_s``).
@@ -286,13 +299,13 @@ class CacheController:
         self._backups_outstanding += 1
         self._backup_queue.put(op)
 
-    def _backup_loop(self, backend: StorageBackend) -> None:
+    def _backup_loop(self, backend: StorageBackend, health: StorageHealth) -> None:
         while True:
             op = self._backup_queue.get()
             if op is None:
                 return
             try:
-                self._run_backup(backend, op)
+                self._run_backup(backend, health, op)
             except Exception:  # never let one failure stop later backups
                 log.exception("storage backup of %d pages failed", len(op.hashes))
                 self.metrics.add(storage_errors=1)
@@ -305,19 +318,19 @@ class CacheController:
                     self.host.allocator.unpin_io(op.host_indices)
                 self._backup_acks.put(op)
 
-    def _run_backup(self, backend: StorageBackend, op: _BackupOp) -> None:
+    def _run_backup(self, backend: StorageBackend, health: StorageHealth, op: _BackupOp) -> None:
         """Store the pages of ``op`` the store lacks, and rewrite those a read found bad.
 
         Pages ``prefix_exists`` reports are skipped, except the prefetcher's suspects (reported,
         yet unreadable: corrupted or truncated in place), which would otherwise stay bad forever.
-        A page stored here stops being suspect.
+        A page stored here stops being suspect. Nothing is called on a store given up.
         """
         assert self.scope is not None and self.host is not None and self.prefetcher is not None
-        if not self.scope.shard.is_writer:
+        if not self.scope.shard.is_writer or health.failed:
             return
         started = time.perf_counter()
         keys = self.scope.keys(op.hashes)
-        present = guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists")
+        present = guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists", health=health)
         suspects = self.prefetcher.suspects
         rewrite = suspects.among(op.hashes[:present])
         op.stored_pages = present - len(rewrite)
@@ -333,6 +346,7 @@ class CacheController:
                 None,
                 "put",
                 lambda exc: setattr(op, "abandoned", exc),
+                health=health,
             )
             stored = leading_successes(results)
             suspects.forget(op.hashes[i] for i in batch[:stored])

@@ -48,6 +48,10 @@ class CacheCounters:
     # faults
     storage_errors: int = 0
     storage_timeouts: int = 0
+    #: permanent or persistent storage errors (bad credentials, contract violations, retries exhausted)
+    storage_permanent_errors: int = 0
+    #: times an attached store was given up after such an error (at most once per attachment)
+    storage_disabled: int = 0
     # evictions
     device_evicted_tokens: int = 0
     host_evicted_tokens: int = 0

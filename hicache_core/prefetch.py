@@ -41,7 +41,7 @@ from hicache_storage.keys import KeyScope, PageKey, page_hashes
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
-from hicache_core.storage_calls import guarded_call, leading_successes
+from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 
@@ -180,9 +180,10 @@ class Prefetcher:
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = SuspectPages()
 
-    def start(self, backend: StorageBackend, scope: KeyScope) -> None:
+    def start(self, backend: StorageBackend, scope: KeyScope, health: StorageHealth) -> None:
+        """Read from ``backend`` on a new thread; a prefetch finds nothing once ``health`` gave it up."""
         self.storage, self.scope = backend, scope
-        self._thread = threading.Thread(target=self._loop, args=(backend,), name="hicache-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(backend, health), name="hicache-prefetch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -298,13 +299,13 @@ class Prefetcher:
         op.state = PrefetchState.FINISHED
         return inserted
 
-    def _loop(self, backend: StorageBackend) -> None:
+    def _loop(self, backend: StorageBackend, health: StorageHealth) -> None:
         while True:
             op = self._queue.get()
             if op is None:
                 return
             try:
-                self._run(backend, op)
+                self._run(backend, health, op)
             except Exception:
                 log.exception("prefetch for request %s failed", op.request_id)
                 self.metrics.add(storage_errors=1)
@@ -314,10 +315,12 @@ class Prefetcher:
                 op.first_batch.set()
                 op.done.set()
 
-    def _run(self, backend: StorageBackend, op: PrefetchOp) -> None:
+    def _run(self, backend: StorageBackend, health: StorageHealth, op: PrefetchOp) -> None:
         assert self.scope is not None and self.host is not None and op.host_indices is not None
         keys: list[PageKey] = self.scope.keys(op.hashes)
-        local_hit = 0 if op.terminate.is_set() else guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists")
+        # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
+        skip = op.terminate.is_set() or health.failed
+        local_hit = 0 if skip else guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists", health=health)
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
         pinned_from = 0
@@ -335,7 +338,12 @@ class Prefetcher:
                     break
                 batch = slice(begin, min(begin + step, hit))
                 results = guarded_call(
-                    self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get", abandoned.append
+                    self.metrics,
+                    lambda: backend.get_into(keys[batch], segments[batch]),
+                    None,
+                    "get",
+                    abandoned.append,
+                    health=health,
                 )
                 got = leading_successes(results)
                 if results is not None:

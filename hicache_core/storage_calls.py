@@ -1,12 +1,14 @@
-"""How the core calls storage from its threads: never raising, and reading only leading successes."""
+"""How the core calls storage from its threads: never raising, reading only leading successes, and
+giving a store up, saying so once, when it fails in a way retrying cannot fix."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from hicache_storage.errors import StorageTimeoutError
+from hicache_storage.errors import StorageError, StorageTimeoutError
 
 from hicache_core.metrics import CacheMetrics
 
@@ -16,19 +18,76 @@ T = TypeVar("T")
 D = TypeVar("D")
 
 
+class StorageHealth:
+    """Whether the core may still call one attached store; shared by the backup and prefetch threads.
+
+    A store that raised a permanent or persistent :class:`~hicache_storage.errors.StorageError`
+    (bad credentials, a connector breaking the contract, an outage the retry layer gave up on) is
+    *failed*: the threads skip every later backup and prefetch without calling it, so requests
+    compute what storage would have served. The first such error is logged once, as an error
+    naming the store, what failed and how to get it back, and counted in ``storage_disabled``;
+    every one in ``storage_permanent_errors``. A new attachment starts healthy. Thread-safe.
+    """
+
+    def __init__(self, metrics: CacheMetrics, store: str) -> None:
+        self.metrics = metrics
+        self.store = store
+        self._lock = threading.Lock()
+        self._failure: StorageError | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The error that made the core give the store up, or None while it is in use."""
+        return self._failure
+
+    def give_up(self, exc: StorageError, operation: str) -> None:
+        """Stop using the store over ``exc`` (a permanent or persistent error of ``operation``)."""
+        self.metrics.add(storage_permanent_errors=1)
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = exc
+        if first:
+            self.metrics.add(storage_disabled=1)
+            log.error(
+                "storage %s disabled: %s failed with a %s %s: %s. Requests go on without L3 (they compute "
+                "what it would have served) and the store is not called again; fix the cause, then detach "
+                "and re-attach the storage (Engine.detach_storage / attach_storage) to use it again",
+                self.store,
+                operation,
+                exc.status.value,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            log.debug("storage %s (already disabled) %s failed: %s", self.store, operation, exc)
+
+
 def guarded_call(
     metrics: CacheMetrics,
     call: Callable[[], T],
     default: D,
     operation: str,
     on_abandoned: Callable[[StorageTimeoutError], None] | None = None,
+    *,
+    health: StorageHealth | None = None,
 ) -> T | D:
     """Run one storage call; any exception is logged, counted and replaced by ``default``.
 
     The backup and prefetch threads go through this, so no backend failure can end them. A
     timeout whose call may still use the caller's buffers (a zero-copy timeout: ``settled`` is
     set) is handed to ``on_abandoned``, which must keep those buffers untouched until it settles.
+    With ``health``, a store already given up is not called (``default`` at once), and a
+    permanent or persistent error gives it up (:meth:`StorageHealth.give_up`) instead of a
+    warning per call; temporary errors, and exceptions that are no ``StorageError``, are warned
+    about and the store stays in use.
     """
+    if health is not None and health.failed:
+        return default
     try:
         return call()
     except StorageTimeoutError as exc:
@@ -38,6 +97,14 @@ def guarded_call(
             if on_abandoned is None:
                 raise RuntimeError(f"a storage {operation} that used caller buffers was abandoned with no one to wait for it") from exc
             on_abandoned(exc)
+        if health is not None and exc.permanent:  # a timeout the retry layer gave up on
+            health.give_up(exc, operation)
+    except StorageError as exc:
+        metrics.add(storage_errors=1)
+        if health is not None and exc.permanent:
+            health.give_up(exc, operation)
+        else:
+            log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
     except Exception as exc:
         log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
         metrics.add(storage_errors=1)

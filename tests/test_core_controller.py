@@ -3,6 +3,7 @@ in-flight I/O, layer-wise loads, runtime attach/detach, and engines on a failing
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
@@ -10,12 +11,23 @@ import pytest
 import torch
 
 from hicache_core.controller import CacheController, ControllerConfig, WritePolicy
+from hicache_core.metrics import CacheMetrics
 from hicache_core.prefetch import PrefetchConfig, PrefetchState, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
 from hicache_core.model import ModelConfig
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree
+from hicache_core.storage_calls import StorageHealth, guarded_call
 from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.errors import (
+    AuthenticationError,
+    BackendContractError,
+    BackendUnavailableError,
+    CapacityError,
+    ErrorStatus,
+    StorageError,
+    StorageTimeoutError,
+)
 from hicache_storage.keys import KeyScope, Namespace, page_hashes
 from hicache_storage.wrappers.faults import FaultInjectionWrapper
 
@@ -387,3 +399,129 @@ def test_streaming_driver_and_clear_errors(expected):
     cfg.controller = ControllerConfig(buffer_only=True)
     with pytest.raises(ValueError, match="buffer-only mode .* needs tiers L1\\+L2\\+L3"):
         Engine(cfg)
+
+
+# --- errors that say what to do: temporary ones are lived through, permanent ones stop the calls --
+
+
+class MiscountingBackend(MemoryBackend):
+    """A real in-memory store whose every answer has one result too many (a connector bug the SDK
+    rejects as a contract violation); counts the calls that reach it, from any thread."""
+
+    def __init__(self) -> None:
+        super().__init__({"store": f"miscount-{uuid.uuid4().hex}"})
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    def _called(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def _exists(self, keys):
+        self._called()
+        return super()._exists(keys) + [False]
+
+    def _get_into(self, keys, targets):
+        self._called()
+        return super()._get_into(keys, targets) + [False]
+
+    def _put_from(self, keys, sources):
+        self._called()
+        return super()._put_from(keys, sources) + [False]
+
+
+def error_lines(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_contract_violation_stops_the_calls_once_said_and_counted(expected, caplog):
+    backend = MiscountingBackend()
+    engine = Engine(engine_config(CacheTiers.L1_L2_L3), storage=backend)
+    try:
+        with caplog.at_level(logging.WARNING):
+            check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+            engine.flush_cache()
+            calls = backend.calls
+            # The backup and the prefetch thread may each be inside a call when the first fails.
+            assert 1 <= calls <= 2, f"{calls} calls reached a store that broke the contract"
+            check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+            engine.flush_cache()
+        assert backend.calls == calls, "a store given up was called again"
+        counters = engine.metrics.snapshot()
+        assert counters["storage_disabled"] == 1 and counters["storage_permanent_errors"] == calls
+        assert counters["storage_hit_tokens"] == 0
+        assert engine.controller.threads_alive
+        [line] = error_lines(caplog)
+        message = line.getMessage()
+        assert "storage memory disabled" in message and "BackendContractError" in message
+        assert "detach" in message and "attach" in message, "the line says how to get the store back"
+        # Detaching and attaching again (here: the cause fixed, a correct connector) resets it.
+        engine.detach_storage()
+        engine.attach_storage(MemoryBackend({"store": backend.config.store}))
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        engine.flush_cache()
+        results = engine.serve(_first_round())
+        check_same(expected[:1], [results])
+        assert sum(r.cached_storage for r in results) > 0, "the re-attached store serves hits again"
+        assert not engine.controller.storage_health.failed
+        assert engine.metrics.snapshot()["storage_disabled"] == 1
+    finally:
+        engine.close()
+
+
+def test_temporary_errors_keep_the_store_in_use_and_hits_resume(expected):
+    store = MemoryBackend({"store": f"flaky-{uuid.uuid4().hex}"})
+    faults = FaultInjectionWrapper(
+        store, {"enabled": False, **{op: {"error_rate": 1.0, "errors": ["unavailable"]} for op in ("exists", "get", "put")}}
+    )
+    engine = Engine(engine_config(CacheTiers.L1_L2_L3), storage=faults)
+    try:
+        faults.resume()
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        engine.flush_cache()
+        raised = faults.stats()["faults_error"]
+        assert raised > 0
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        engine.flush_cache()
+        assert faults.stats()["faults_error"] > raised, "a store failing temporarily must still be called"
+        faults.pause()  # the store is back
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        engine.flush_cache()
+        results = engine.serve(_first_round())
+        check_same(expected[:1], [results])
+        assert sum(r.cached_storage for r in results) > 0, "hits resume once the store recovers"
+        counters = engine.metrics.snapshot()
+        assert counters["storage_disabled"] == 0 and counters["storage_permanent_errors"] == 0
+        assert counters["storage_errors"] >= raised
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "gives_up"),
+    [
+        (BackendUnavailableError("down"), False),
+        (CapacityError("full"), False),
+        (StorageError("EIO", status=ErrorStatus.TEMPORARY), False),
+        (BackendUnavailableError("down", status=ErrorStatus.PERSISTENT), True),
+        (StorageTimeoutError("slow", status=ErrorStatus.PERSISTENT), True),
+        (AuthenticationError("bad secret"), True),
+        (BackendContractError("two results for one key"), True),
+        (StorageError("refused", status=ErrorStatus.PERMANENT), True),
+        (RuntimeError("a connector bug of no known kind"), False),
+    ],
+)
+def test_guarded_call_gives_a_store_up_on_permanent_and_persistent_errors_only(error, gives_up):
+    metrics = CacheMetrics()
+    health = StorageHealth(metrics, "memory")
+    calls = []
+
+    def call():
+        calls.append(1)
+        raise error
+
+    assert guarded_call(metrics, call, "miss", "get", health=health) == "miss"
+    assert health.failed is gives_up
+    guarded_call(metrics, call, "miss", "get", health=health)
+    assert len(calls) == (1 if gives_up else 2)
+    assert metrics.snapshot()["storage_disabled"] == int(gives_up)

@@ -8,7 +8,9 @@ come back from L3, in three phases on one engine:
 2. **fault**: L1 and L2 are flushed, then A (read back from L3) and fresh conversations B
    (written to L3) are served while the fault is injected mid-run.
 3. **recovery**: the fault is cleared; the workload is served again (flushing L1/L2 before
-   each pass) until tokens come from L3 again.
+   each pass) until tokens come from L3 again. A temporary fault needs nothing more; after a
+   permanent one (a contract violation, bad credentials) the engine has given the store up, so
+   the scenario also does what an operator would: detach it and attach a fixed store.
 
 Every phase's outputs (token ids and the bits of every logit) must equal a run with HiCache off.
 Also asserted: the engine never raises, the controller's backup and prefetch threads stay alive,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -47,6 +50,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import PageKey
 from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
 from hicache_storage.wrappers.base import BackendWrapper
+from hicache_storage.errors import ErrorStatus, StorageError
 from hicache_storage.wrappers.faults import ERROR_KINDS
 
 WARM = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
@@ -114,6 +118,8 @@ class Figures:
     storage_errors: int = 0
     storage_timeouts: int = 0
     failed_batches: int = 0
+    #: times the engine gave the store up during the fault (a permanent error)
+    given_up: int = 0
     storage_hit_tokens_after: int = 0
     storage_timeout_s: float = STORAGE_TIMEOUT_S
     latency_bound_s: float = 0.0
@@ -128,8 +134,11 @@ class Figures:
 
 def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, list[RequestResult]],
                  inject: Callable[[], None], clear: Callable[[], None],
-                 notes: Callable[[], str] | None = None) -> None:
-    """The three phases (see the module docstring); ``notes`` adds details to the report."""
+                 notes: Callable[[], str] | None = None,
+                 reopen: Callable[[], StorageBackend] | None = None) -> Engine:
+    """The three phases (see the module docstring); ``notes`` adds details to the report;
+    ``reopen`` (for permanent faults) gives the fixed store attached in place of the given-up one.
+    Returns the engine (closed), for its counters."""
     figures.storage_timeout_s = STORAGE_TIMEOUT_S_BY_CONNECTOR.get(figures.connector, STORAGE_TIMEOUT_S)
     figures.latency_bound_s = latency_bound(figures.storage_timeout_s)
     try:
@@ -138,7 +147,7 @@ def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, 
         storage.close()
         raise
     try:
-        _run_phases(figures, engine, baseline, inject, clear)
+        _run_phases(figures, engine, baseline, inject, clear, reopen)
     except AssertionError:
         raise
     except Exception as exc:  # the engine raised: a crash, reported before the test fails on it
@@ -154,10 +163,14 @@ def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, 
         f"a request took {figures.max_latency_s:.1f}s (bound {figures.latency_bound_s:.0f}s): the timeout policy did not hold"
     )
     assert figures.storage_hit_tokens_after > 0, f"L3 hits did not resume within {RECOVERY_PASSES} passes after the fault cleared"
+    if reopen is None:
+        assert figures.given_up == 0, "a temporary fault made the engine give the store up"
+    return engine
 
 
 def _run_phases(figures: Figures, engine: Engine, baseline: dict[str, list[RequestResult]],
-                inject: Callable[[], None], clear: Callable[[], None]) -> None:
+                inject: Callable[[], None], clear: Callable[[], None],
+                reopen: Callable[[], StorageBackend] | None) -> None:
     with engine:
         warm = serve(engine, WARM, "warm")
         assert wrong_outputs(baseline["warm"], warm) == (0, 0), "healthy warm-up differs from recompute"
@@ -176,7 +189,13 @@ def _run_phases(figures: Figures, engine: Engine, baseline: dict[str, list[Reque
         figures.wrong_tokens, figures.wrong_logits = wrong_outputs(baseline["workload"], faulted)
         figures.max_latency_s = max(r.latency_s for r in faulted)
         assert engine.controller.threads_alive, "a controller thread died during the fault"
+        figures.given_up = int(engine.metrics.snapshot()["storage_disabled"] - before["storage_disabled"])
         clear()
+        if reopen is not None:
+            given_up = engine.detach_storage()
+            assert given_up is not None
+            given_up.close()
+            engine.attach_storage(reopen())
         cleared = time.monotonic()
         for attempt in range(1, RECOVERY_PASSES + 1):
             engine.flush_cache()
@@ -553,7 +572,9 @@ def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label)
 
 
 @pytest.mark.services
-def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
+def test_backend_returning_wrong_result_counts(request, tmp_path, baseline, caplog):
+    """A contract violation is permanent: the engine gives the store up at the first one (one per
+    thread at most), says so in one error line, and uses the store again once re-attached."""
     name, config = connector_config(request, "redis", tmp_path)
     miscount = paused_faults(create_backend(name, config), {
         "exists": {"wrong_count_rate": 1.0},
@@ -561,10 +582,14 @@ def test_backend_returning_wrong_result_counts(request, tmp_path, baseline):
         "put": {"wrong_count_rate": 1.0},
     })
     figures = Figures("backend returns the wrong number of results", "redis")
-    run_scenario(figures, miscount, baseline, miscount.resume, miscount.pause,
-                 lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count")
-    assert miscount.stats()["faults_wrong_count"] > 0
-    assert figures.storage_errors > 0, "contract violations must be counted as storage errors"
+    with caplog.at_level(logging.ERROR, logger="hicache_core"):
+        run_scenario(figures, miscount, baseline, miscount.resume, miscount.pause,
+                     lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count; store given up",
+                     reopen=lambda: create_backend(name, config))
+    assert 1 <= miscount.stats()["faults_wrong_count"] <= 2, "calls went on after the first contract violation"
+    assert figures.given_up == 1 and figures.storage_errors > 0
+    [line] = [r.getMessage() for r in caplog.records if "disabled" in r.getMessage()]
+    assert "BackendContractError" in line
 
 
 class RoundRobin(BackendWrapper):
@@ -590,13 +615,23 @@ class RoundRobin(BackendWrapper):
         return self._target()._put_from(keys, sources)
 
 
+def kept_through(kind: str) -> bool:
+    """Whether the engine keeps calling a store that raises this fault kind (temporary, or no StorageError)."""
+    error = ERROR_KINDS[kind]
+    return not issubclass(error, StorageError) or error.default_status is ErrorStatus.TEMPORARY
+
+
+TEMPORARY_KINDS = [kind for kind in ERROR_KINDS if kept_through(kind)]
+PERMANENT_KINDS = [kind for kind in ERROR_KINDS if not kept_through(kind)]
+
+
 def test_every_error_kind(tmp_path, baseline):
-    """While the fault is on, storage calls take turns raising each error kind the fault wrapper
-    has (every StorageError subclass, and a RuntimeError for a connector bug)."""
+    """While the fault is on, storage calls take turns raising each error kind the engine keeps a
+    store through (every temporary StorageError kind, and a RuntimeError for a connector bug)."""
     inner = create_backend("file", {"root": str(tmp_path / "kv")})
     erring = {
         kind: paused_faults(inner, {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
-        for kind in ERROR_KINDS
+        for kind in TEMPORARY_KINDS
     }
 
     def inject() -> None:
@@ -612,5 +647,20 @@ def test_every_error_kind(tmp_path, baseline):
     raised = lambda: [kind for kind, w in erring.items() if w.stats()["faults_error"] > 0]  # noqa: E731
     run_scenario(figures, store, baseline, inject, clear,
                  lambda: f"{sum(w.stats()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}")
-    assert raised() == list(ERROR_KINDS), f"not every error kind was raised: {raised()}"
+    assert raised() == TEMPORARY_KINDS, f"not every error kind was raised: {raised()}"
     assert figures.storage_errors > 0 and figures.storage_timeouts > 0, "errors and timeouts must both be counted"
+
+
+@pytest.mark.parametrize("kind", PERMANENT_KINDS)
+def test_a_permanent_error_kind_gives_the_store_up_until_reattached(tmp_path, baseline, kind):
+    """Each permanent kind: the engine stops calling the store after its first one (one per thread
+    at most), serves on as without L3, and serves hits again from the store re-attached."""
+    config = {"root": str(tmp_path / "kv")}
+    erring = paused_faults(create_backend("file", config),
+                           {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
+    figures = Figures(f"permanent error kind {kind!r} on every call", "file")
+    run_scenario(figures, erring, baseline, erring.resume, erring.pause,
+                 lambda: f"{erring.stats()['faults_error']} calls raised; store given up",
+                 reopen=lambda: create_backend("file", config))
+    assert 1 <= erring.stats()["faults_error"] <= 2, "calls went on after the first permanent error"
+    assert figures.given_up == 1

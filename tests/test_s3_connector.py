@@ -8,9 +8,11 @@ SeaweedFS.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -21,16 +23,19 @@ from hicache_storage import (
     AuthenticationError,
     BackendUnavailableError,
     ConfigError,
+    ErrorStatus,
     KeyScope,
     MissingDependencyError,
     Namespace,
     PermissionDeniedError,
     Shard,
+    StorageError,
     StorageTimeoutError,
     ThrottledError,
     create_backend,
 )
 from hicache_storage.conformance import ConformanceTests
+from hicache_storage.connectors.s3 import S3Backend
 from hicache_storage.testing.process import free_port
 
 pytestmark = pytest.mark.services
@@ -344,6 +349,38 @@ def test_error_mapping(s3, scope, code, status, error):
     assert caught.value.backend == "s3" and caught.value.operation == "get"
 
 
+@pytest.mark.parametrize(
+    ("code", "http", "status"),
+    [
+        ("SignatureDoesNotMatch", 403, ErrorStatus.PERMANENT),
+        ("AccessDenied", 403, ErrorStatus.PERMANENT),
+        ("InvalidArgument", 400, ErrorStatus.PERMANENT),
+        ("RequestTimeTooSkewed", 403, ErrorStatus.PERMANENT),
+        ("RequestTimeout", 400, ErrorStatus.TEMPORARY),
+        ("SlowDown", 503, ErrorStatus.TEMPORARY),
+        ("InternalError", 500, ErrorStatus.TEMPORARY),
+    ],
+)
+def test_every_refusal_says_whether_trying_again_can_help(s3, scope, code, http, status):
+    from botocore.stub import Stubber
+
+    with Stubber(s3._client) as stubber:
+        stubber.add_client_error("get_object", service_error_code=code, http_status_code=http)
+        with pytest.raises(StorageError) as caught:
+            s3.get([scope.key(page_hash(9))], 10)
+    assert caught.value.status is status and code in str(caught.value)
+
+
+def test_connection_refused_is_temporary(seaweedfs, scope):
+    store = UncheckedS3(s3_config(seaweedfs, endpoint_url=f"http://127.0.0.1:{free_port()}", connect_timeout=1))
+    try:
+        with pytest.raises(BackendUnavailableError) as caught:
+            store.exists([scope.key(page_hash(1))])
+        assert caught.value.status is ErrorStatus.TEMPORARY
+    finally:
+        store.close()
+
+
 def test_module_imports_without_boto3():
     code = (
         "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
@@ -473,3 +510,62 @@ def test_service_retries_on_new_ports_when_a_port_was_taken(monkeypatch):
             server.kill()
             server.stop()
     assert not server.workdir.exists()
+
+
+# --- a permanent error in an engine: the store is given up after its first failure -------------
+
+
+class UncheckedS3(S3Backend):
+    """The s3 connector without its check at open, as if the credentials were revoked after it
+    opened; counts the calls that reach it (from any thread)."""
+
+    def _check_bucket(self) -> None:
+        self.calls = 0
+        self._calls_lock = threading.Lock()
+
+    def _called(self) -> None:
+        with self._calls_lock:
+            self.calls += 1
+
+    def _exists(self, keys):
+        self._called()
+        return super()._exists(keys)
+
+    def _get_into(self, keys, targets):
+        self._called()
+        return super()._get_into(keys, targets)
+
+    def _put_from(self, keys, sources):
+        self._called()
+        return super()._put_from(keys, sources)
+
+
+def test_engine_gives_up_a_store_with_a_wrong_secret_after_one_call_per_thread(seaweedfs, caplog):
+    from hicache_core import CacheTiers, Engine, make_conversations
+    from hicache_core.soak import serve_rounds, tiny_engine_config
+
+    conversations = make_conversations(clients=2, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
+    with Engine(tiny_engine_config(CacheTiers.OFF, None)) as engine:
+        expected = [r.output_ids for r in serve_rounds(engine, conversations, "off", 3)]
+    store = UncheckedS3(s3_config(seaweedfs, secret_access_key="wrong-" + uuid.uuid4().hex))
+    engine = Engine(tiny_engine_config(CacheTiers.L1_L2_L3, 10.0), storage=store)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert [r.output_ids for r in serve_rounds(engine, conversations, "first", 3)] == expected
+            engine.flush_cache()
+            calls = store.calls
+            assert 1 <= calls <= 2, f"{calls} calls reached a store that rejects the credentials"
+            assert [r.output_ids for r in serve_rounds(engine, conversations, "again", 3)] == expected
+            engine.flush_cache()
+        assert store.calls == calls, "a store given up was called again"
+        counters = engine.metrics.snapshot()
+        assert counters["storage_disabled"] == 1 and counters["storage_permanent_errors"] == calls
+        assert counters["storage_hit_tokens"] == 0 and engine.controller.threads_alive
+        [line] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        message = line.getMessage()
+        assert "storage s3 disabled" in message and seaweedfs.endpoint_url in message
+        assert "check" in message and "re-attach" in message, "the line says how to fix it"
+        failure = engine.controller.storage_health.failure
+        assert isinstance(failure, (AuthenticationError, PermissionDeniedError)) and failure.permanent
+    finally:
+        engine.close()
