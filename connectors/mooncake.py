@@ -87,7 +87,7 @@ import pydantic
 from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, join_segments, segments_size
 from hicache_storage.capabilities import Capabilities
-from hicache_storage.config import BackendConfig
+from hicache_storage.config import BackendConfig, parse_size
 from hicache_storage.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -118,20 +118,6 @@ _ENV_FALLBACKS: dict[str, tuple[str, ...]] = {
     "protocol": ("MOONCAKE_PROTOCOL",),
     "device_name": ("MOONCAKE_DEVICE",),
 }
-_SIZE_RE = re.compile(r"\s*(\d+)\s*([kmgt]?i?b?)\s*", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"4gb"``, ``"512 MB"``, ``"16MiB"`` (units are powers of 1024)."""
-    if isinstance(value, bool):
-        raise ValueError("a size must be an integer or a string such as '4gb'")
-    if isinstance(value, int):
-        return value
-    match = _SIZE_RE.fullmatch(str(value))
-    if match is None:
-        raise ValueError(f"cannot read {value!r} as a size; use bytes or a string such as '4gb' or '512MB'")
-    return int(match.group(1)) * _SIZE_UNITS[match.group(2)[:1].lower()]
 
 
 class MooncakeConfig(BackendConfig):

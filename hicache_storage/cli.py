@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache_storage.commands import UsageError, add_plugin_commands
+from hicache_storage.config import parse_size
 from hicache_storage.errors import StorageError
 
 
@@ -77,17 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_size(text: str) -> int:
-    """``64K``, ``1M``, ``4M``, ``1G`` or a plain number of bytes."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-    number = text[:-1] if scale != 1 else text
+def positive_size(text: str) -> int:
+    """``64K``, ``1M``, ``4M``, ``1G`` or a plain number of bytes (:func:`~hicache_storage.config.parse_size`), above 0."""
     try:
-        value = int(float(number) * scale)
+        value = parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 64K, 1M, 4M)") from None
+        raise argparse.ArgumentTypeError(f"not a size: {text.strip()!r} (use e.g. 64K, 1M, 4M)") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text.strip()!r}")
     return value
 
 
@@ -96,7 +94,7 @@ def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.registry import create_backend
 
     try:
-        page_sizes = [parse_size(s) for s in args.page_sizes.split(",")]
+        page_sizes = [positive_size(s) for s in args.page_sizes.split(",")]
     except argparse.ArgumentTypeError as exc:
         raise UsageError(f"bench-io --page-sizes: {exc}") from None
     backend = create_backend(args.backend, args.config)
@@ -109,7 +107,7 @@ def run_bench_io(args: argparse.Namespace) -> int:
             backend,
             page_sizes=page_sizes,
             batch_sizes=[int(s) for s in args.batch_sizes.split(",")],
-            bytes_per_case=parse_size(args.bytes_per_case),
+            bytes_per_case=positive_size(args.bytes_per_case),
         )
     print(render_markdown(result))
     print(f"written: {write_results(result, Path(args.out))}")

@@ -9,6 +9,7 @@ logs and reports never show them.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,6 +63,28 @@ class BackendConfig(pydantic.BaseModel):
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({json.dumps(self.public_dict(), sort_keys=True)})"
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?)?b?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"4gb"``, ``"512 MB"``, ``"16MiB"``, ``"64K"``, ``"1.5M"``.
+
+    Units are powers of 1024, with or without ``i`` and ``b``, in any case; a fraction is rounded to
+    whole bytes. Raises ``ValueError`` (a config validator turns it into a ``ConfigError``).
+    """
+    if isinstance(value, bool):
+        raise ValueError("a size must be an integer or a string such as '4gb'")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.fullmatch(str(value))
+    if match is None:
+        raise ValueError(f"cannot read {value!r} as a size; use bytes or a string such as '4gb', '512MB' or '64K'")
+    number, unit = match.groups()
+    scale = _SIZE_UNITS[unit.lower()] if unit else 1
+    return int(number) * scale if number.isdigit() else round(float(number) * scale)
 
 
 def load_config_source(value: Mapping[str, Any] | str | Path | None) -> dict[str, Any]:

@@ -3,7 +3,7 @@ import json
 import pydantic
 import pytest
 
-from hicache_storage.config import BackendConfig
+from hicache_storage.config import BackendConfig, parse_size
 from hicache_storage.connectors.memory import MemoryConfig
 from hicache_storage.errors import ConfigError
 
@@ -114,3 +114,17 @@ def test_model_level_errors_do_not_echo_the_input():
         PairedConfig.parse({"password": "hunter2"})
     assert "give user and password together" in str(info.value)
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("512MB", 512 * 2**20), ("4gb", 4 * 2**30), ("16 MiB", 16 * 2**20), ("1k", 1024), ("64K", 2**16), ("1.5M", 3 * 2**19), (7, 7)],
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["12Q", "", "k", "-3", "1.2.3", True])
+def test_parse_size_refuses_what_is_not_a_size(text):
+    with pytest.raises(ValueError):
+        parse_size(text)

@@ -25,7 +25,7 @@ from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.testing.mooncake_master import MooncakeMaster
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
-from hicache_storage.connectors.mooncake import MooncakeBackend, MooncakeConfig, parse_size  # noqa: E402
+from hicache_storage.connectors.mooncake import MooncakeBackend, MooncakeConfig  # noqa: E402
 
 pytestmark = pytest.mark.services
 
@@ -408,13 +408,6 @@ def test_missing_master_address_is_a_config_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     with pytest.raises(ConfigError, match="MOONCAKE_MASTER"):
         MooncakeBackend({})
-
-
-@pytest.mark.parametrize(
-    ("text", "size"), [("0", 0), ("512MB", 512 * 2**20), ("4gb", 4 * 2**30), ("16 MiB", 16 * 2**20), ("1k", 1024)]
-)
-def test_parse_size(text: str, size: int) -> None:
-    assert parse_size(text) == size
 
 
 def test_bad_size_is_a_config_error() -> None:
