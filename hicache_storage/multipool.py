@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import BufferLike
-from hicache_storage.errors import InvalidArgumentError, InvalidKeyError, RetryableError
+from hicache_storage.errors import ErrorStatus, InvalidArgumentError, InvalidKeyError, StorageError
 from hicache_storage.keys import KeyScope, PageKey
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,9 @@ class MultiPoolStore:
 
         Asks the ALL_PAGES pools with ``prefix_exists`` first, each over the prefix the previous
         ones left, then each TRAILING_PAGES pool with one ``exists`` over the longest cut still
-        possible. A :class:`~hicache_storage.errors.RetryableError` counts as nothing present: it
-        is logged and the answer is 0.
+        possible. A :class:`~hicache_storage.errors.StorageError` that is not permanent (temporary,
+        or persistent once retries gave up) counts as nothing present: it is logged and the
+        answer is 0; a permanent one is raised.
         """
         if isinstance(page_hashes, (str, bytes)):
             raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
@@ -193,7 +194,9 @@ class MultiPoolStore:
                 accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(present))]
                 limit = max(c for c, ok in enumerate(accepted) if ok)
                 accepted = accepted[: limit + 1]
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: multi-pool lookup of %d pages failed, reporting no hit: %s", len(hashes), exc)
             return 0
         return limit

@@ -19,8 +19,9 @@ What it adds over SGLang's built-in backends:
   ``get_page_buffer_meta`` (address, size) pairs into :class:`~hicache_storage.buffers.RawBuffer`
   segments: one page is one value made of its segments (K and V halves for MHA page-first, one
   run for MLA, one per layer and half for layer-first).
-* **Per-key results and typed errors** from the connector; a store that is down (a retryable
-  error) degrades to misses and logged warnings instead of killing SGLang's I/O threads.
+* **Per-key results and typed errors** from the connector; a store that is down (an error whose
+  status is temporary, or persistent once a retry layer gave up) degrades to misses and logged
+  warnings instead of killing SGLang's I/O threads; a permanent error is raised.
 
 This module imports SGLang; nothing else in ``hicache_storage`` does.
 """
@@ -52,8 +53,9 @@ from hicache_storage.buffers import RawBuffer
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
     ConfigError,
+    ErrorStatus,
     InvalidArgumentError,
-    RetryableError,
+    StorageError,
     UnsupportedOperationError,
 )
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
@@ -261,7 +263,9 @@ class HiCacheStorageAdapter(HiCacheStorage):
         start = time.perf_counter()
         try:
             results = self.backend.get_into(page_keys, targets)
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: read of %d pages failed, treated as misses: %s", len(keys), exc)
             return [False] * len(keys)
         self._record("prefetch", len(keys), nbytes, time.perf_counter() - start)
@@ -280,7 +284,9 @@ class HiCacheStorageAdapter(HiCacheStorage):
             stored = self.backend.exists(page_keys)
             todo = [i for i, hit in enumerate(stored) if not hit]
             written = self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo]) if todo else []
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: write of %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)
         for i, ok in zip(todo, written):
@@ -296,14 +302,18 @@ class HiCacheStorageAdapter(HiCacheStorage):
         """How many keys, from the first, are stored without a gap (a prefix length, not a count)."""
         try:
             return self.backend.prefix_exists(self._keys(keys))
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: exists query failed, reporting no hit: %s", exc)
             return 0
 
     def exists(self, key: str) -> bool:
         try:
             return self.backend.exists(self._keys([key]))[0]
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: exists query failed, reporting a miss: %s", exc)
             return False
 
@@ -320,7 +330,9 @@ class HiCacheStorageAdapter(HiCacheStorage):
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         try:
             hits = self.backend.get_into(self._keys(keys), list(target_locations))
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: read of %d pages failed, treated as misses: %s", len(keys), exc)
             return [None] * len(keys)
         return [target if hit else None for target, hit in zip(target_locations, hits)]
@@ -343,7 +355,9 @@ class HiCacheStorageAdapter(HiCacheStorage):
             raise InvalidArgumentError("batch_set() needs one page tensor per key")
         try:
             return all(self.backend.put_from(self._keys(keys), list(values)))
-        except RetryableError as exc:
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
             logger.warning("hicache_storage: write of %d pages failed: %s", len(keys), exc)
             return False
 
@@ -372,7 +386,9 @@ class HiCacheStorageAdapter(HiCacheStorage):
             scope = self._scope_for(transfer.name)
             try:
                 present = self.backend.exists(self._keys(keys[:kv_pages], scope))
-            except RetryableError as exc:
+            except StorageError as exc:
+                if exc.status is ErrorStatus.PERMANENT:
+                    raise
                 logger.warning("hicache_storage: exists query for pool %s failed: %s", transfer.name, exc)
                 present = [False] * kv_pages
             accepted = spec.accepted_cuts(present)

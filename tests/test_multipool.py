@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 from hicache_storage.conformance.suite import ConformanceTests
 from hicache_storage.connectors.memory import MemoryBackend
-from hicache_storage.errors import BackendUnavailableError, InvalidArgumentError
+from hicache_storage.errors import (
+    AuthenticationError,
+    BackendUnavailableError,
+    ErrorStatus,
+    InvalidArgumentError,
+    StorageError,
+)
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, common_cuts, longest_cut
 
@@ -300,6 +306,27 @@ def test_a_store_failing_with_a_retryable_error_reports_no_hit(
     assert "connection reset by peer (injected)" in caplog.text and "reporting no hit" in caplog.text
     with pytest.raises(BackendUnavailableError):
         store.presence(chain)
+
+
+class FailingExistsWith(MemoryBackend):
+    """A memory store whose exists raises ``error``."""
+
+    error: Exception = RuntimeError()
+
+    def _exists(self, keys: list[PageKey]) -> list[bool]:
+        raise self.error
+
+
+def test_the_status_decides_whether_a_lookup_error_is_no_hit_or_raised(scope: KeyScope) -> None:
+    backend = FailingExistsWith({})
+    store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
+    backend.error = StorageError("EIO on a flaky mount", status=ErrorStatus.TEMPORARY)
+    assert store.usable_pages(hashes(4)) == 0
+    backend.error = BackendUnavailableError("down after 3 tries", status=ErrorStatus.PERSISTENT)
+    assert store.usable_pages(hashes(4)) == 0
+    backend.error = AuthenticationError("wrong password")
+    with pytest.raises(AuthenticationError):
+        store.usable_pages(hashes(4))
 
 
 # --- the conformance clauses fail stores that break the multi-pool contract ---------------------

@@ -47,7 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from hicache_storage.errors import ConfigError, InvalidArgumentError
+from hicache_storage.errors import ConfigError, InvalidArgumentError, StorageError
 from hicache_storage.keys import page_hashes
 from hicache_storage.sglang import HiCacheStorageAdapter, page_hash_of
 
@@ -605,6 +605,21 @@ def test_a_failing_store_degrades_to_misses(tmp_path: Path) -> None:
     assert adapter.exists(keys[0]) is False
     assert adapter.batch_set(keys, [pool.get_data_page(0)] * 2) is False
     assert adapter.batch_get(keys, [pool.get_dummy_flat_data_page()] * 2) == [None, None]
+
+
+@pytest.mark.parametrize(("kind", "degrades"), [("capacity", True), ("authentication", False), ("contract", False)])
+def test_the_errors_status_decides_miss_or_raise(kind: str, degrades: bool) -> None:
+    """A temporary error (a full store, though a PermanentError by class) is a miss; a permanent one is raised."""
+    failing = {"kind": "faults", "exists": {"error_rate": 1.0, "errors": [kind]}}
+    pool = make_host_pool()
+    adapter = StorageBackendFactory.create_backend("dynamic", storage_config(Rank(extra={"wrappers": [failing]}), "memory", {}), pool)
+    adapter.register_mem_pool_host(pool)
+    keys = chain(2, salt=kind)
+    if degrades:
+        assert adapter.batch_exists(keys) == 0
+    else:
+        with pytest.raises(StorageError, match=f"injected fault: {kind}"):
+            adapter.batch_exists(keys)
 
 
 @pytest.mark.parametrize(
