@@ -147,7 +147,7 @@ class _Live:
     storage_tokens: int = 0
     planned_match: int = 0
     refetched: bool = False
-    #: Locked while the request waits: the prefix a refetch hangs from, then the pages it fetched.
+    #: Locked while the request waits: the prefix its prefetch hangs from, then the pages it fetched.
     pinned: TreeNode | None = None
     session: SessionTicket | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -340,10 +340,10 @@ class Engine:
         """The prompt minus its last token: that one is always computed, to produce logits."""
         return live.sequence.prefix(len(live.request.tokens) - 1)
 
-    def _plan_prefetch(self, live: _Live, *, pin_prefix: bool = False) -> None:
-        """Match and plan the storage prefetch of the rest. ``pin_prefix`` (used when refetching
-        after an eviction) locks the matched prefix until the prefetch is finished, so the fetched
-        pages have something to hang from."""
+    def _plan_prefetch(self, live: _Live) -> None:
+        """Match and plan the storage prefetch of the rest. The matched prefix stays locked until
+        the prefetch is finished, so the fetched pages have something to hang from (waiting
+        requests' pins are released if the head of the queue needs the memory: _unpin_waiting)."""
         request = live.request
         matchable = self._matchable(live)
         match = self.tree.match_prefix(matchable, count_host=not self.config.controller.buffer_only)
@@ -352,10 +352,9 @@ class Engine:
         if prefetcher is None:
             return
         live.prefetch = prefetcher.plan(request.rid, matchable, match)
-        if live.prefetch is not None and pin_prefix:
+        if live.prefetch is not None:
             live.pinned = match.host_node
             self.tree.lock(live.pinned)
-        if live.prefetch is not None:
             prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
     def _admit(self) -> bool:
@@ -385,7 +384,7 @@ class Engine:
             if not live.refetched and self._prefix_lost(live):
                 # Part of its cached prefix was evicted while it waited: fetch it back, once.
                 live.refetched = True
-                self._plan_prefetch(live, pin_prefix=True)
+                self._plan_prefetch(live)
                 if live.prefetch is not None:
                     continue
             if self._start(live):
@@ -419,7 +418,7 @@ class Engine:
             )
 
     def _unpin_waiting(self) -> bool:
-        """Release the prefixes waiting requests pinned (refetches, fetched pages); whether any was held.
+        """Release the prefixes waiting requests pinned (prefetches, fetched pages); whether any was held.
 
         Called when the head of the queue cannot start and nothing else could free memory: the
         pins are what stands between it and the memory it needs. A request unpinned here may plan

@@ -95,6 +95,9 @@ class PrefetchOp:
     state: PrefetchState = PrefetchState.PLANNED
     host_indices: torch.Tensor | None = None
     issued_at: float = 0.0
+    #: When the prefetch thread began the op (``None`` while it waits behind earlier ops): the
+    #: ``timeout`` policy's clock, so time queued behind other requests' reads is not charged.
+    started_at: float | None = None
     hit_pages: int = 0
     completed_pages: int = 0
     terminate: threading.Event = field(default_factory=threading.Event)
@@ -222,9 +225,9 @@ class Prefetcher:
         else:
             hashes = page_hashes(tokens[start:end], ps, match.host_node.last_hash)
             head = list(tokens[:end])
-        # The prefix is not pinned while the request waits: pinning it would hold device memory
-        # for queued requests. If it is evicted meanwhile, insert_host finds the gap and the
-        # prefetched pages are dropped (counted), never attached to the wrong place.
+        # The prefetcher does not pin the prefix (the engine does while its request waits). If it
+        # is evicted meanwhile, insert_host finds the gap and the prefetched pages are dropped
+        # (counted), never attached to the wrong place.
         return PrefetchOp(request_id, head, start, hashes)
 
     def try_issue(self, op: PrefetchOp) -> bool:
@@ -268,8 +271,8 @@ class Prefetcher:
         elif policy is StopPolicy.WAIT_COMPLETE:
             keep_waiting = True
         else:
-            waited = time.monotonic() - op.issued_at
-            keep_waiting = waited < self.config.timeout_for(op.pages * self.page_size)
+            started = op.started_at
+            keep_waiting = started is None or time.monotonic() - started < self.config.timeout_for(op.pages * self.page_size)
         return not self.tp.scheduler.all_max(int(keep_waiting))
 
     def finish(self, op: PrefetchOp) -> int | None:
@@ -317,6 +320,7 @@ class Prefetcher:
 
     def _run(self, backend: StorageBackend, health: StorageHealth, op: PrefetchOp) -> None:
         assert self.scope is not None and self.host is not None and op.host_indices is not None
+        op.started_at = time.monotonic()
         keys: list[PageKey] = self.scope.keys(op.hashes)
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
         skip = op.terminate.is_set() or health.failed
