@@ -311,11 +311,8 @@ class CacheController:
                 self.metrics.add(storage_errors=1)
             finally:
                 assert self.host is not None
-                if op.abandoned is not None:  # the late put still reads them: unpin when it returns
-                    self.host.allocator.abandon_io(op.host_indices)
-                    op.abandoned.when_settled(lambda op=op: self.host.allocator.unpin_io(op.host_indices, abandoned=True))
-                else:
-                    self.host.allocator.unpin_io(op.host_indices)
+                # A put that timed out may still read the pages: they stay pinned until it returns.
+                self.host.allocator.unpin_io_when_settled(op.host_indices, op.abandoned)
                 self._backup_acks.put(op)
 
     def _run_backup(self, backend: StorageBackend, health: StorageHealth, op: _BackupOp) -> None:

@@ -22,6 +22,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,12 @@ class KVGeometry:
         return str(self.dtype).removeprefix("torch.")
 
 
+class Settling(Protocol):
+    """An abandoned call that reports when it has really returned (``StorageTimeoutError``)."""
+
+    def when_settled(self, callback: Callable[[], object]) -> None: ...
+
+
 class PageAllocator:
     """Whole-page allocation of ``num_pages * page_size`` slots, with I/O pins.
 
@@ -88,7 +95,7 @@ class PageAllocator:
     it keeps every decision that depends on free space independent of I/O timing, which is what
     keeps tensor-parallel ranks' trees identical.
 
-    Except for I/O its caller *abandoned* (:meth:`abandon_io`: a zero-copy storage call that timed
+    Except for I/O its caller *abandoned* (:meth:`unpin_io_when_settled`: a zero-copy storage call that timed
     out and may never return): its pages stop counting as free until that pin is released, so a
     hung store costs the pages it holds, never a wait. That one case depends on timing.
     """
@@ -167,16 +174,21 @@ class PageAllocator:
             for page in self.pages_of(slots):
                 self._pins[page] = self._pins.get(page, 0) + 1
 
-    def abandon_io(self, slots: torch.Tensor) -> None:
-        """The I/O pinning these pages was abandoned (it may never end): until its pin is released
-        with ``unpin_io(slots, abandoned=True)`` they do not count as free, and no alloc waits for them."""
+    def unpin_io_when_settled(self, slots: torch.Tensor, abandoned: Settling | None) -> None:
+        """Release one pin now, or, for I/O its caller abandoned (a call that timed out but may
+        still use the pages: ``abandoned.when_settled``), once that call returns; until then the
+        pages do not count as free and no alloc waits for them."""
+        if abandoned is None:
+            self.unpin_io(slots)
+            return
         with self._lock:
             for page in self.pages_of(slots):
                 self._abandoned[page] = self._abandoned.get(page, 0) + 1
             self._lock.notify_all()
+        abandoned.when_settled(lambda: self.unpin_io(slots, abandoned=True))
 
     def unpin_io(self, slots: torch.Tensor, *, abandoned: bool = False) -> None:
-        """Release one pin (one that ``abandon_io`` marked, if ``abandoned``); a page freed
+        """Release one pin (an abandoned one, see ``unpin_io_when_settled``); a page freed
         meanwhile goes back to the free list now."""
         with self._lock:
             for page in self.pages_of(slots):

@@ -364,12 +364,7 @@ class Prefetcher:
                     break
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
-            still_pinned = op.host_indices[pinned_from:]
-            if abandoned:
-                self.host.allocator.abandon_io(still_pinned)
-                abandoned[0].when_settled(lambda: self.host.allocator.unpin_io(still_pinned, abandoned=True))
-            else:
-                self.host.allocator.unpin_io(still_pinned)
+            self.host.allocator.unpin_io_when_settled(op.host_indices[pinned_from:], abandoned[0] if abandoned else None)
 
 
 def _head(tokens: Sequence[int], length: int) -> Sequence[int]:
