@@ -36,7 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pydantic
 
 from hicache_storage.backend import StorageBackend
-from hicache_storage.batching import last_write_positions, map_outcomes
+from hicache_storage.batching import write_last_positions, map_outcomes
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -192,12 +192,13 @@ class S3Backend(StorageBackend):
         return self._each(list(zip(keys, targets)), lambda item: self._get_one(*item), "get", keys)
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        positions = last_write_positions(keys)  # parallel writes of one key would race: the last wins
-        written = sorted(set(positions))
-        items = [(keys[i], sources[i]) for i in written]
-        results = self._each(items, lambda item: self._put_one(*item), "put", [keys[i] for i in written])
-        by_position = dict(zip(written, results))
-        return [by_position[p] for p in positions]
+        # Parallel writes of one key would race: only its last value is written (the last wins).
+        return write_last_positions(
+            keys,
+            lambda written: self._each(
+                [(keys[i], sources[i]) for i in written], lambda item: self._put_one(*item), "put", [keys[i] for i in written]
+            ),
+        )
 
     def _delete(self, keys: list[PageKey]) -> list[bool]:
         return self._each(keys, self._delete_one, "delete")

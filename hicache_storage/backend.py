@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from hicache_storage.batching import last_write_positions
+from hicache_storage.batching import write_last_positions
 from hicache_storage.buffers import BufferLike, Segments, as_segments, as_view, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -289,14 +289,16 @@ class StorageBackend(ABC):
         step = self.capabilities.max_batch
         if not step or len(keys) <= step:
             return self._call_hook("put", self._put_from, keys, sources)
-        positions = last_write_positions(keys)
-        written = sorted(set(positions))
-        stored: dict[int, bool] = {}
-        for start in reversed(range(0, len(written), step)):
-            chunk = written[start : start + step]
-            results = self._call_hook("put", self._put_from, [keys[i] for i in chunk], [sources[i] for i in chunk])
-            stored.update(zip(chunk, results))
-        return [stored[p] for p in positions]
+
+        def write(written: list[int]) -> list[bool]:
+            stored: dict[int, bool] = {}
+            for start in reversed(range(0, len(written), step)):
+                chunk = written[start : start + step]
+                results = self._call_hook("put", self._put_from, [keys[i] for i in chunk], [sources[i] for i in chunk])
+                stored.update(zip(chunk, results))
+            return [stored[p] for p in written]
+
+        return write_last_positions(keys, write)
 
     def _call_hook(self, operation: str, hook: Any, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
         """One hook call on a batch within ``max_batch``: its errors name this backend, its results are checked."""

@@ -62,3 +62,12 @@ def last_write_positions(keys: Sequence[Hashable]) -> list[int]:
     """
     last = {key: i for i, key in enumerate(keys)}
     return [last[key] for key in keys]
+
+
+def write_last_positions(keys: Sequence[Hashable], write: Callable[[list[int]], list[bool]]) -> list[bool]:
+    """Write each key's last position only: ``write(positions)`` (ascending) returns one result
+    per position given; every position of the batch gets its key's last write's result."""
+    positions = last_write_positions(keys)
+    written = sorted(set(positions))
+    by_position = dict(zip(written, write(written)))
+    return [by_position[p] for p in positions]
