@@ -214,10 +214,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None =
 
 
 def measure_bench_legs(config: BenchConfig) -> Legs:
-    """The legs of ``config``'s engine with L3 (the default store in a scratch directory)."""
+    """The legs of ``config``'s engine: the copies, and the store (the default one in a scratch
+    directory) when a configuration uses L3."""
+    tiers = CacheTiers.L1_L2_L3 if any(t.storage for t in config.tiers) else CacheTiers.L1_L2
     scratch = tempfile.mkdtemp(prefix="hicache-legs-")
     try:
-        return measure_legs(config.engine_config(CacheTiers.L1_L2_L3, storage_root=f"{scratch}/l3"))
+        return measure_legs(config.engine_config(tiers, storage_root=f"{scratch}/l3"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
