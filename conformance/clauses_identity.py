@@ -58,7 +58,8 @@ NEAR_NAMESPACES: dict[str, Callable[[Namespace], tuple[Namespace, Namespace]]] =
     "tenant-empty": _ns_pair({"tenant": None}, {"tenant": ""}),
     "format_version": _ns(format_version=2),
 }
-NEAR_SHARDS: dict[str, Shard] = {
+#: One shard field changed at a time (also the whole-value isolation clause's shard variants).
+SHARD_VARIANTS: dict[str, Shard] = {
     "tp_rank": Shard(tp_rank=1, tp_size=2),
     "tp_size": Shard(tp_rank=0, tp_size=2),
     "pp_rank": Shard(pp_rank=1, pp_size=2),
@@ -67,7 +68,7 @@ NEAR_SHARDS: dict[str, Shard] = {
     "cp_size": Shard(cp_rank=0, cp_size=2),
     "replicated": Shard(replicated=True),
 }
-NEAR_IDENTITIES = [*NEAR_NAMESPACES, *NEAR_SHARDS, "part-prefix"]
+NEAR_IDENTITIES = [*NEAR_NAMESPACES, *SHARD_VARIANTS, "part-prefix"]
 OPERATIONS = ("get", "exists", "delete", "clear")
 
 
@@ -77,8 +78,8 @@ def near_scopes(variant: str) -> tuple[KeyScope, KeyScope]:
     if variant in NEAR_NAMESPACES:
         mine, theirs = NEAR_NAMESPACES[variant](base)
         return KeyScope(mine), KeyScope(theirs)
-    if variant in NEAR_SHARDS:
-        return KeyScope(base), KeyScope(base, NEAR_SHARDS[variant])
+    if variant in SHARD_VARIANTS:
+        return KeyScope(base), KeyScope(base, SHARD_VARIANTS[variant])
     return KeyScope(base, part="kv"), KeyScope(base, part="k")
 
 

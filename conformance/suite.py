@@ -43,7 +43,7 @@ from hicache_storage.conformance.backdoor import Backdoor, builtin_backdoor
 from hicache_storage.conformance.clauses_bytes import ByteClauses
 from hicache_storage.conformance.clauses_capabilities import CapabilityClauses
 from hicache_storage.conformance.clauses_concurrency import ConcurrencyClauses
-from hicache_storage.conformance.clauses_identity import IdentityClauses
+from hicache_storage.conformance.clauses_identity import SHARD_VARIANTS, IdentityClauses
 from hicache_storage.conformance.pages import random_hash
 from hicache_storage.errors import (
     BackendClosedError,
@@ -68,15 +68,6 @@ NAMESPACE_VARIANTS: dict[str, Any] = {
     "layout": "layer_first",
     "tenant": "tenant-b",
     "format_version": 2,
-}
-SHARD_VARIANTS: dict[str, Shard] = {
-    "tp_rank": Shard(tp_rank=1, tp_size=2),
-    "tp_size": Shard(tp_rank=0, tp_size=2),
-    "pp_rank": Shard(pp_rank=1, pp_size=2),
-    "pp_size": Shard(pp_rank=0, pp_size=2),
-    "cp_rank": Shard(cp_rank=1, cp_size=2),
-    "cp_size": Shard(cp_rank=0, cp_size=2),
-    "replicated": Shard(replicated=True),
 }
 
 
