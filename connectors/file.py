@@ -301,9 +301,9 @@ class FileBackend(StorageBackend):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def stats(self) -> dict[str, int]:
-        """The base counters plus eviction, full-disk, bounce-buffer and temp-cleanup counts."""
-        merged = super().stats()
+    def event_counts(self) -> dict[str, int]:
+        """Eviction, full-disk, bounce-buffer and temp-cleanup counts, and what the index holds."""
+        merged = super().event_counts()
         with self._lock:
             merged.update(self._counters)
             if self._index is not None:

@@ -1,18 +1,27 @@
-"""The StorageBackend contract.
+"""The StorageBackend contract: what a connector implements, and the layer interface.
 
-Two faces, kept apart:
+Three faces, kept apart:
 
-* **Callers** (the HiCache core, the SGLang adapter, the benchmark) use the public methods:
-  :meth:`~StorageBackend.exists`, :meth:`~StorageBackend.get_into`,
-  :meth:`~StorageBackend.put_from`, :meth:`~StorageBackend.delete`, :meth:`~StorageBackend.clear`,
-  and the helpers built on them (:meth:`~StorageBackend.prefix_exists`,
-  :meth:`~StorageBackend.get`, :meth:`~StorageBackend.put`). These validate input, normalize
-  buffers, split batches to the declared ``max_batch``, enforce ``max_value_size``, refuse
-  undeclared operations, and check what the connector returned.
 * **Connector authors** implement the hooks :meth:`_exists`, :meth:`_get_into`,
   :meth:`_put_from` (required), and :meth:`_delete`, :meth:`_clear`, :meth:`_register_buffer`,
   :meth:`_close` (optional), plus a ``capabilities`` declaration and a ``Config`` class. Hooks
-  receive validated keys, normalized buffers and batches no larger than ``max_batch``.
+  receive validated keys, normalized buffers and batches no larger than ``max_batch``. That is
+  all a connector is.
+* **The layer interface** is what the level above calls, a layer
+  (:mod:`hicache_storage.wrappers`) or the store facade (:mod:`hicache_storage.store`), and
+  nothing else: the public hooks :meth:`hook_exists`, :meth:`hook_get_into`,
+  :meth:`hook_put_from`, :meth:`hook_delete`, :meth:`hook_clear`, :meth:`hook_register_buffer`,
+  and ``name``, ``capabilities`` (read on every call: live), :meth:`event_counts`, :meth:`close`,
+  ``closed`` and ``inner`` (the level below a layer; ``None`` for a connector). Each public hook
+  checks that this level is open, calls this level's own underscore hook, names this level in
+  the errors it raises, and checks its results (one ``bool`` per key,
+  :func:`~hicache_storage.store.check_results`). No level calls another object's underscore
+  methods.
+* **Callers** use a :class:`~hicache_storage.store.Store`: validation, buffers, batch splitting,
+  statistics. Every backend has one over itself as :attr:`store`, and the caller methods here
+  (:meth:`exists`, :meth:`get_into`, :meth:`put_from`, :meth:`prefix_exists`, :meth:`get`,
+  :meth:`put`, :meth:`delete`, :meth:`clear`, :meth:`register_buffer`, :meth:`stats`) are that
+  facade's, so a connector used directly is a store without layers.
 
 Semantics every connector keeps (the conformance suite checks them):
 
@@ -32,42 +41,40 @@ Semantics every connector keeps (the conformance suite checks them):
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from hicache_storage.batching import write_last_positions
-from hicache_storage.buffers import BufferLike, Segments, as_segments, as_view, segments_size
+from hicache_storage.buffers import BufferLike, Segments
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import (
-    BackendClosedError,
-    BackendContractError,
-    InvalidArgumentError,
-    InvalidKeyError,
-    StorageError,
-    UnsupportedOperationError,
-    ValueTooLargeError,
-)
+from hicache_storage.counters import EventCounters
+from hicache_storage.errors import BackendClosedError, StorageError, UnsupportedOperationError
 from hicache_storage.keys import Namespace, PageKey
+from hicache_storage.store import Store, check_results
 
 
 class StorageBackend(ABC):
-    """Base class of every connector and wrapper. See the module docstring for the contract."""
+    """Base class of every connector and layer. See the module docstring for the contract."""
 
     #: Registry name; also used in error messages and metrics.
     name: ClassVar[str] = "unnamed"
     #: The connector's config class.
     Config: ClassVar[type[BackendConfig]] = BackendConfig
-    #: Class-level declaration; an instance may refine it in ``__init__`` from its config.
+    #: Class-level declaration; an instance may refine it whenever it learns more (at connect,
+    #: after its first put): every level above reads it on each call.
     capabilities: Capabilities = Capabilities()
+    #: Event counters this level keeps, all starting at zero (see :meth:`event_counts`).
+    extra_stats: ClassVar[tuple[str, ...]] = ()
+    #: The level below; ``None`` for a connector (a layer sets it).
+    inner: StorageBackend | None = None
 
     def __init__(self, config: BackendConfig | dict[str, Any] | str | None = None) -> None:
         self.config = self.Config.parse(config, backend=self.name)
         self._closed = False
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
+        self._event_counts = EventCounters(self.extra_stats)
+        #: The caller's facade over this level (and everything below it).
+        self.store = Store(self)
 
     # --- connector hooks ----------------------------------------------------------------------
 
@@ -97,121 +104,33 @@ class StorageBackend(ABC):
     def _close(self) -> None:
         """Release connections, threads and files. Called once."""
 
-    # --- the caller's API ---------------------------------------------------------------------
+    # --- the layer interface: what the level above calls --------------------------------------
 
-    def exists(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Whether each key holds a complete page (one result per key, in order)."""
-        keys = self._prepare_keys(keys, "exists")
-        results = self._run_batches("exists", keys, None, self._exists)
-        self._count(exists_calls=1, exists_keys=len(keys), exists_hits=sum(results))
-        return results
+    def hook_exists(self, keys: list[PageKey]) -> list[bool]:
+        """:meth:`_exists` of this level, checked (see the module docstring)."""
+        return self._hooked("exists", self._exists, keys)
 
-    def prefix_exists(self, keys: Sequence[PageKey]) -> int:
-        """How many keys, from the first, exist without a gap (SGLang's ``batch_exists``).
+    def hook_get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
+        return self._hooked("get", self._get_into, keys, targets)
 
-        Stops asking as soon as a batch has a miss, so a short hit costs one round trip.
-        """
-        keys = self._prepare_keys(keys, "exists")
-        step = self.capabilities.max_batch or len(keys) or 1
-        found = 0
-        for start in range(0, len(keys), step):
-            chunk = keys[start : start + step]
-            results = self._checked("exists", chunk, self._exists(chunk))
-            self._count(exists_calls=1, exists_keys=len(chunk), exists_hits=sum(results))
-            for hit in results:
-                if not hit:
-                    return found
-                found += 1
-        return found
+    def hook_put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
+        return self._hooked("put", self._put_from, keys, sources)
 
-    def get_into(self, keys: Sequence[PageKey], targets: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
-        """Read each key's page into the caller's buffer(s); ``True`` where the target now holds it."""
-        keys = self._prepare_keys(keys, "get")
-        views = self._prepare_buffers(keys, targets, "get", writable=True)
-        results = self._run_batches("get", keys, views, self._get_into)
-        self._count(
-            get_calls=1,
-            get_keys=len(keys),
-            get_hits=sum(results),
-            bytes_read=sum(segments_size(v) for v, hit in zip(views, results) if hit),
-        )
-        return results
+    def hook_delete(self, keys: list[PageKey]) -> list[bool]:
+        return self._hooked("delete", self._delete, keys)
 
-    def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
-        """Store each page from the caller's buffer(s); ``True`` where it is now stored.
+    def hook_clear(self, namespace: Namespace) -> None:
+        self._unchecked("clear", self._clear, namespace)
 
-        A key named more than once in one batch gets a result at each position, and the **last
-        write wins**: afterwards the key holds the value of its last position (as in SGLang and in
-        every KV store), also when the SDK splits the batch to ``max_batch``. The caller may reuse
-        its buffers as soon as this returns: a stored page never follows later changes to them.
-        """
-        keys = self._prepare_keys(keys, "put")
-        views = self._prepare_buffers(keys, sources, "put", writable=False)
-        limit = self.capabilities.max_value_size
-        if limit is not None:
-            for key, segments in zip(keys, views):
-                size = segments_size(segments)
-                if size > limit:
-                    raise ValueTooLargeError(
-                        f"page of {size} bytes exceeds this backend's max_value_size of {limit} bytes; "
-                        "use a smaller page size or split parts (k/v)",
-                        backend=self.name,
-                        operation="put",
-                        key=key,
-                    )
-        results = self._put_batches(keys, views)
-        self._count(
-            put_calls=1,
-            put_keys=len(keys),
-            put_stored=sum(results),
-            bytes_written=sum(segments_size(v) for v, ok in zip(views, results) if ok),
-        )
-        return results
+    def hook_register_buffer(self, view: memoryview) -> None:
+        self._unchecked("register_buffer", self._register_buffer, view)
 
-    def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Remove each key; ``True`` where a page was removed, ``False`` where there was none."""
-        self._require("delete")
-        keys = self._prepare_keys(keys, "delete")
-        results = self._run_batches("delete", keys, None, self._delete)
-        self._count(delete_calls=1, delete_keys=len(keys))
-        return results
-
-    def clear(self, namespace: Namespace) -> None:
-        """Remove every page of ``namespace`` (all shards and parts); other namespaces are untouched."""
-        self._require("clear")
-        self._check_open("clear")
-        if not isinstance(namespace, Namespace):
-            raise InvalidArgumentError(
-                f"clear() takes the Namespace to remove, got {type(namespace).__name__}",
-                backend=self.name,
-                operation="clear",
-            )
-        self._clear(namespace)
-
-    def get(self, keys: Sequence[PageKey], size: int) -> list[bytes | None]:
-        """Each key's page as ``bytes`` (``None`` on a miss); ``size`` is the page's length in bytes."""
-        if not isinstance(size, int) or size < 0:
-            raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}", backend=self.name, operation="get")
-        buffers = [bytearray(size) for _ in keys]
-        hits = self.get_into(keys, buffers)
-        return [bytes(buf) if hit else None for buf, hit in zip(buffers, hits)]
-
-    def put(self, keys: Sequence[PageKey], values: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
-        """Store byte strings; the copying counterpart of :meth:`put_from`."""
-        return self.put_from(keys, values)
-
-    def register_buffer(self, buffer: BufferLike) -> None:
-        """Announce long-lived memory (a host KV pool) that later calls will read into and write from."""
-        self._check_open("register_buffer")
-        self._register_buffer(as_view(buffer, writable=False))
-
-    def stats(self) -> dict[str, int]:
-        """Counters since creation: calls, keys, hits and bytes per operation."""
-        with self._stats_lock:
-            return dict(self._stats)
+    def event_counts(self) -> dict[str, int]:
+        """This level's own event counters (a layer's timeouts or retries, a connector's evictions)."""
+        return self._event_counts.snapshot()
 
     def close(self) -> None:
-        """Release resources. Idempotent; later calls raise ``BackendClosedError``."""
+        """Release resources (a layer closes the level below too). Idempotent; later calls raise ``BackendClosedError``."""
         if not self._closed:
             self._closed = True
             self._close()
@@ -219,6 +138,43 @@ class StorageBackend(ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    # --- the caller's API: this level's store facade ------------------------------------------
+
+    def exists(self, keys: Sequence[PageKey]) -> list[bool]:
+        """See :meth:`Store.exists <hicache_storage.store.Store.exists>`."""
+        return self.store.exists(keys)
+
+    def prefix_exists(self, keys: Sequence[PageKey]) -> int:
+        """See :meth:`Store.prefix_exists <hicache_storage.store.Store.prefix_exists>`."""
+        return self.store.prefix_exists(keys)
+
+    def get_into(self, keys: Sequence[PageKey], targets: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """See :meth:`Store.get_into <hicache_storage.store.Store.get_into>`."""
+        return self.store.get_into(keys, targets)
+
+    def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """See :meth:`Store.put_from <hicache_storage.store.Store.put_from>` (the last write of a key wins)."""
+        return self.store.put_from(keys, sources)
+
+    def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        return self.store.delete(keys)
+
+    def clear(self, namespace: Namespace) -> None:
+        self.store.clear(namespace)
+
+    def get(self, keys: Sequence[PageKey], size: int) -> list[bytes | None]:
+        return self.store.get(keys, size)
+
+    def put(self, keys: Sequence[PageKey], values: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
+        return self.store.put(keys, values)
+
+    def register_buffer(self, buffer: BufferLike) -> None:
+        self.store.register_buffer(buffer)
+
+    def stats(self) -> dict[str, int]:
+        """See :meth:`Store.stats <hicache_storage.store.Store.stats>`: this facade's counters and every level's events."""
+        return self.store.stats()
 
     def __enter__(self) -> StorageBackend:
         return self
@@ -231,119 +187,25 @@ class StorageBackend(ABC):
 
     # --- internals ----------------------------------------------------------------------------
 
+    def _count(self, **deltas: int) -> int:
+        """Add to this level's event counters; returns the new value of the last one named."""
+        return self._event_counts.add(**deltas)
+
     def _check_open(self, operation: str) -> None:
         if self._closed:
             raise BackendClosedError("backend is closed", backend=self.name, operation=operation)
 
-    def _require(self, capability: str) -> None:
-        if not getattr(self.capabilities, capability):
-            raise UnsupportedOperationError(
-                f"{self.name!r} does not support {capability}; check backend.capabilities.{capability} first",
-                backend=self.name,
-                operation=capability,
-            )
-
-    def _prepare_keys(self, keys: Sequence[PageKey], operation: str) -> list[PageKey]:
+    def _hooked(self, operation: str, hook: Callable[..., Any], keys: list[PageKey], *args: Any) -> list[bool]:
         self._check_open(operation)
-        if isinstance(keys, (str, bytes, PageKey)):
-            raise InvalidArgumentError(
-                "keys must be a sequence of PageKey (wrap a single key in a list)", backend=self.name, operation=operation
-            )
-        keys = list(keys)
-        for key in keys:
-            if type(key) is not PageKey:
-                raise InvalidKeyError(
-                    f"keys must be PageKey objects (see hicache_storage.keys), got {type(key).__name__}: {key!r}",
-                    backend=self.name,
-                    operation=operation,
-                )
-        return keys
-
-    def _prepare_buffers(self, keys: list[PageKey], buffers: Sequence[Any], operation: str, *, writable: bool) -> list[Segments]:
-        buffers = list(buffers)
-        if len(buffers) != len(keys):
-            raise InvalidArgumentError(
-                f"got {len(keys)} keys but {len(buffers)} buffers; pass one buffer (or list of segments) per key",
-                backend=self.name,
-                operation=operation,
-            )
-        return [as_segments(buffer, writable=writable) for buffer in buffers]
-
-    def _run_batches(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None, hook: Any) -> list[bool]:
-        step = self.capabilities.max_batch or len(keys) or 1
-        results: list[bool] = []
-        for start in range(0, len(keys), step):
-            chunk = keys[start : start + step]
-            results.extend(self._call_hook(operation, hook, chunk, None if buffers is None else buffers[start : start + step]))
-        return results
-
-    def _put_batches(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        """Put a batch larger than ``max_batch`` in chunks, the last chunk first.
-
-        Within one put the first pages count as the most recent (``capacity_bytes``), so the
-        chunk holding the head is written last and a store that evicts the least recent writes
-        drops a prefix's tail, not its head. In that order a key named in two chunks would end
-        with its earlier value, so only each key's last position is written, and every position
-        gets its key's result. A batch within ``max_batch`` reaches the connector as given.
-        """
-        step = self.capabilities.max_batch
-        if not step or len(keys) <= step:
-            return self._call_hook("put", self._put_from, keys, sources)
-
-        def write(written: list[int]) -> list[bool]:
-            stored: dict[int, bool] = {}
-            for start in reversed(range(0, len(written), step)):
-                chunk = written[start : start + step]
-                results = self._call_hook("put", self._put_from, [keys[i] for i in chunk], [sources[i] for i in chunk])
-                stored.update(zip(chunk, results))
-            return [stored[p] for p in written]
-
-        return write_last_positions(keys, write)
-
-    def _call_hook(self, operation: str, hook: Any, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
-        """One hook call on a batch within ``max_batch``: its errors name this backend, its results are checked."""
         try:
-            raw = hook(keys) if buffers is None else hook(keys, buffers)
+            raw = hook(keys, *args)
         except StorageError as exc:
             raise exc.with_context(backend=self.name, operation=operation)
-        return self._checked(operation, keys, raw)
+        return check_results(self.name, operation, keys, raw)
 
-    def _checked(self, operation: str, keys: list[PageKey], results: Any) -> list[bool]:
-        if not isinstance(results, list) or len(results) != len(keys):
-            count = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
-            raise BackendContractError(
-                f"{operation} returned {count} results for {len(keys)} keys; a connector must return a list with one bool per key",
-                backend=self.name,
-                operation=operation,
-            )
-        for result in results:
-            if result is not True and result is not False:
-                raise BackendContractError(
-                    f"{operation} returned a {type(result).__name__}; results must be True or False",
-                    backend=self.name,
-                    operation=operation,
-                )
-        return results
-
-    def _count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                self._stats[name] += delta
-
-
-_STAT_NAMES = (
-    "exists_calls",
-    "exists_keys",
-    "exists_hits",
-    "get_calls",
-    "get_keys",
-    "get_hits",
-    "put_calls",
-    "put_keys",
-    "put_stored",
-    "delete_calls",
-    "delete_keys",
-    "bytes_read",
-    "bytes_written",
-)
-
+    def _unchecked(self, operation: str, hook: Callable[[Any], None], arg: Any) -> None:
+        self._check_open(operation)
+        try:
+            hook(arg)
+        except StorageError as exc:
+            raise exc.with_context(backend=self.name, operation=operation)

@@ -29,6 +29,9 @@ class Capabilities:
     clear: bool = False
     #: Pages can expire after a configured time to live.
     ttl: bool = False
+    #: Every call returns or raises within a time the connector bounds itself (client socket or
+    #: request timeouts), so a store spec adds no default timeout layer (``hicache_storage.spec``).
+    bounded_calls: bool = False
     #: ``register_buffer`` makes later I/O on that memory faster (RDMA, pinned memory).
     buffer_registration: bool = False
     #: Pages survive closing the backend and creating a new one with the same config

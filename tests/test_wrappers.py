@@ -214,10 +214,10 @@ def test_unknown_kind_lists_the_valid_ones():
     with pytest.raises(ConfigError) as caught:
         wrap(MemoryBackend(), [{"kind": "retry"}, {"kind": "compress"}])
     message = str(caught.value)
-    assert "wrapper spec #1" in message and "'compress'" in message
+    assert "layer spec #1" in message and "'compress'" in message
     for kind in WRAPPERS:
         assert kind in message
-    assert caught.value.field == "wrapper spec #1.kind"
+    assert caught.value.field == "layer spec #1.kind"
 
 
 def test_missing_kind_is_reported():
@@ -229,9 +229,9 @@ def test_unknown_key_lists_the_valid_ones():
     with pytest.raises(ConfigError) as caught:
         wrap(MemoryBackend(), [{"kind": "timeout", "second": 1}])
     message = str(caught.value)
-    assert "wrapper spec #0 (timeout)" in message and "'second'" in message
+    assert "layer spec #0 (timeout)" in message and "'second'" in message
     assert "valid keys: clear_seconds, max_abandoned, seconds, staging_cache_bytes, workers, zero_copy" in message
-    assert caught.value.field == "wrapper spec #0.second"
+    assert caught.value.field == "layer spec #0.second"
 
 
 def test_bad_value_names_field_value_and_rule():

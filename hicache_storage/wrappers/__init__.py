@@ -1,7 +1,9 @@
-"""Wrappers any backend can be put in: timeout, retry, integrity, metrics, fault injection.
+"""Layers any backend can be put under: timeout, retry, integrity, metrics, fault injection.
 
-Each wrapper is a :class:`~hicache_storage.backend.StorageBackend` around another one (see
-:mod:`hicache_storage.wrappers.base`). Operators put them on from config with :func:`wrap`::
+Each layer is a :class:`~hicache_storage.backend.StorageBackend` over the level below it (see
+:mod:`hicache_storage.wrappers.base`), reached through the layer interface. Operators name them in
+a store spec (:func:`hicache_storage.spec.open_store`), or put them on an open backend with
+:func:`wrap`::
 
     backend = wrap(create_backend("redis", {...}), [
         {"kind": "integrity"},
@@ -13,7 +15,9 @@ Each wrapper is a :class:`~hicache_storage.backend.StorageBackend` around anothe
 
 The recommended order, innermost first: ``faults`` (only when rehearsing: right next to the
 store, so integrity sees its corrupted pages), ``integrity``, ``timeout`` (bounds each try),
-``retry`` (retries timed-out tries within its deadline), ``metrics`` (sees what callers see).
+``retry`` (retries timed-out tries within its deadline), ``metrics`` (sees what callers see). With
+a zero-copy timeout, retry and integrity go below it (:func:`check_layer_order` refuses
+otherwise): ``timeout(retry(integrity(store)))``.
 """
 
 from __future__ import annotations
@@ -24,36 +28,63 @@ from pathlib import Path
 from typing import Any
 
 from hicache_storage.backend import StorageBackend
-from hicache_storage.config import read_config_file
+from hicache_storage.config import BackendConfig, read_config_file
 from hicache_storage.errors import ConfigError
-from hicache_storage.wrappers.base import BackendWrapper, find_wrapper, unwrap
+from hicache_storage.wrappers.base import BackendWrapper, Layer, find_wrapper, unwrap
 from hicache_storage.wrappers.faults import FaultInjectionWrapper
 from hicache_storage.wrappers.integrity import IntegrityWrapper
 from hicache_storage.wrappers.metrics import MetricsWrapper, prometheus_text
 from hicache_storage.wrappers.retry import RetryWrapper
-from hicache_storage.wrappers.timeout import TimeoutWrapper
+from hicache_storage.wrappers.timeout import TimeoutConfig, TimeoutWrapper
 
-#: Wrapper classes by the ``kind`` used in specs.
-WRAPPERS: dict[str, type[BackendWrapper]] = {
+#: Layer classes by the ``kind`` used in specs.
+WRAPPERS: dict[str, type[Layer]] = {
     cls.kind: cls for cls in (TimeoutWrapper, RetryWrapper, IntegrityWrapper, MetricsWrapper, FaultInjectionWrapper)
 }
+#: Layers that must sit below a zero-copy timeout, never above it.
+BELOW_ZERO_COPY_TIMEOUT = ("retry", "integrity")
 
 WrapperSpecs = Sequence[Mapping[str, Any]] | str | Path | None
 
 
 def wrap(backend: StorageBackend, specs: WrapperSpecs) -> StorageBackend:
-    """Put ``backend`` inside the wrappers ``specs`` describes, the first spec innermost.
+    """Put ``backend`` under the layers ``specs`` describes, the first spec innermost.
 
-    ``specs`` is a list of mappings, each ``{"kind": <one of WRAPPERS>, **that wrapper's config}``;
+    ``specs`` is a list of mappings, each ``{"kind": <one of WRAPPERS>, **that layer's config}``;
     or that list as a JSON string; or ``@path`` to a json/yaml/toml file holding the list, or an
     object whose ``wrappers`` key holds it (toml needs the object form). ``None`` or ``[]`` returns
-    ``backend`` unchanged. A spec with an unknown kind or key raises :class:`ConfigError` naming
-    the spec and listing what is valid; nothing is wrapped then.
+    ``backend`` unchanged. A spec with an unknown kind or key, or an unsafe order, raises
+    :class:`ConfigError` naming the spec and listing what is valid; nothing is wrapped then.
     """
-    specs = load_wrapper_specs(specs)
+    return stack_layers(backend, specs)
+
+
+def stack_layers(
+    backend: StorageBackend,
+    layers: WrapperSpecs,
+    *,
+    default_timeout: TimeoutConfig | Mapping[str, Any] | None = None,
+) -> StorageBackend:
+    """``backend`` under ``layers`` (the first innermost), then under a ``default_timeout`` layer if
+    the resulting stack does not bound its calls. Every spec is checked, and the order is checked
+    against the zero-copy rule (module docstring), before any layer is built: on an error nothing
+    is wrapped."""
+    plans = plan_layers(layers)
+    timeout = None if default_timeout is None else TimeoutConfig.parse(default_timeout, backend="timeout")
+    check_layer_order([*_kinds(backend), *((cls.kind, _zero_copy(config)) for cls, config in plans)])
+    for cls, config in plans:
+        backend = cls(backend, config)
+    if timeout is not None and not backend.capabilities.bounded_calls:
+        check_layer_order([*_kinds(backend), ("timeout", timeout.zero_copy)])
+        backend = TimeoutWrapper(backend, timeout)
+    return backend
+
+
+def plan_layers(specs: WrapperSpecs) -> list[tuple[type[Layer], BackendConfig]]:
+    """Each layer spec as its class and parsed config; a bad spec is a ConfigError naming it."""
     plans = []
-    for index, spec in enumerate(specs):
-        where = f"wrapper spec #{index}"
+    for index, spec in enumerate(load_wrapper_specs(specs)):
+        where = f"layer spec #{index}"
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where} must be an object like {{\"kind\": \"retry\"}}, got {type(spec).__name__}", field=where)
         options = dict(spec)
@@ -67,9 +98,33 @@ def wrap(backend: StorageBackend, specs: WrapperSpecs) -> StorageBackend:
         except ConfigError as exc:
             raise ConfigError(f"{where} ({kind}): {exc.message}", field=f"{where}.{exc.field}" if exc.field else where) from None
         plans.append((cls, config))
-    for cls, config in plans:
-        backend = cls(backend, config)
-    return backend
+    return plans
+
+
+def check_layer_order(kinds: Sequence[tuple[str, bool]]) -> None:
+    """Refuse a stack, given innermost first as ``(kind, zero_copy)``, with retry or integrity above a zero-copy timeout."""
+    timeout_at = None
+    for position, (kind, zero_copy) in enumerate(kinds):
+        if kind == "timeout" and zero_copy and timeout_at is None:
+            timeout_at = position
+        elif kind in BELOW_ZERO_COPY_TIMEOUT and timeout_at is not None:
+            order = " > ".join(k for k, _ in reversed(kinds))
+            raise ConfigError(
+                f"a {kind} layer above a zero-copy timeout layer ({order}, outermost first) could reuse the caller's "
+                "buffers while a timed-out call still uses them; put retry and integrity below the zero-copy "
+                "timeout, as in timeout(retry(integrity(store))), or give the timeout zero_copy: false",
+                field="layers",
+            )
+
+
+def _kinds(backend: StorageBackend) -> list[tuple[str, bool]]:
+    """The layers already in ``backend``'s stack as ``(kind, zero_copy)``, innermost first."""
+    levels = [level for level in backend.store.levels() if isinstance(level, Layer)]
+    return [(level.kind, _zero_copy(level.config)) for level in reversed(levels)]
+
+
+def _zero_copy(config: BackendConfig) -> bool:
+    return isinstance(config, TimeoutConfig) and config.zero_copy
 
 
 def load_wrapper_specs(specs: WrapperSpecs) -> list[Mapping[str, Any]]:
@@ -106,12 +161,16 @@ __all__ = [
     "BackendWrapper",
     "FaultInjectionWrapper",
     "IntegrityWrapper",
+    "Layer",
     "MetricsWrapper",
     "RetryWrapper",
     "TimeoutWrapper",
+    "check_layer_order",
     "find_wrapper",
     "load_wrapper_specs",
+    "plan_layers",
     "prometheus_text",
+    "stack_layers",
     "unwrap",
     "wrap",
 ]

@@ -64,6 +64,7 @@ import pydantic
 
 from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
+from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
     AuthenticationError,
@@ -235,6 +236,10 @@ class FaultInjectionWrapper(BackendWrapper):
         self._hanging = 0
         self._events: deque[FaultEvent] = deque(maxlen=self.config.event_log_size)
 
+    def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
+        """Injected hangs and latency can stall any call: this stack no longer bounds its calls."""
+        return inner.replace(bounded_calls=False)
+
     # --- control ------------------------------------------------------------------------------
 
     @property
@@ -281,7 +286,7 @@ class FaultInjectionWrapper(BackendWrapper):
         results = super()._exists(keys)
         vanishing = [page for page in sorted(fate.vanishing) if results[page]]
         if vanishing:
-            deleted = self.forward("delete", self.inner._delete, [keys[page] for page in vanishing])
+            deleted = self.inner.hook_delete([keys[page] for page in vanishing])
             for page, gone in zip(vanishing, deleted):
                 if gone:
                     self._record(FaultEvent("exists", fate.call, "vanish", page, "deleted after exists"), "faults_vanish")

@@ -160,7 +160,8 @@ class IntegrityWrapper(BackendWrapper):
         self._page_sizes: dict[KeyScope, int] = {}
         self._slots = _TrailerSlots(self.config.trailer_slots)
         self._arena_registration = threading.Lock()
-        self._arena_registered = not (inner.capabilities.buffer_registration and self.config.trailer_slots)
+        self._arena_registered = not self.config.trailer_slots
+        self.capabilities  # noqa: B018  # refuses a store whose values leave no room for the trailer
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
         limit = inner.max_value_size
@@ -182,7 +183,7 @@ class IntegrityWrapper(BackendWrapper):
         return super()._put_from(keys, framed)
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
-        if not self._arena_registered:
+        if not self._arena_registered and self.inner.capabilities.buffer_registration:
             self._register_arena()
         trailers, taken = self._slots.take(len(keys))
         try:
@@ -196,7 +197,8 @@ class IntegrityWrapper(BackendWrapper):
             self._slots.give_back(taken)
 
     def _register_arena(self) -> None:
-        """Register the trailer arena with the inner backend, once; a refusal only costs speed."""
+        """Register the trailer arena with the level below, once it declares buffer registration
+        (read live: a connector may declare it after opening); a refusal only costs speed."""
         with self._arena_registration:
             if self._arena_registered:
                 return
@@ -225,9 +227,7 @@ class IntegrityWrapper(BackendWrapper):
             self._page_sizes[key.scope] = segments_size(target)
             return True
         counter = f"integrity_miss_{reason}"
-        with self._stats_lock:
-            self._stats[counter] += 1
-            seen = self._stats[counter]
+        seen = self._count(**{counter: 1})
         if seen <= _LOUD_FAILURES or seen % 1000 == 0:
             log.warning(
                 "%s: page %s failed its %s check and reads as a miss (%d such failures so far)",

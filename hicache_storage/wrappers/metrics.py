@@ -12,31 +12,26 @@ counters of the layers below (timeouts, retries, integrity misses, injected faul
 asked for) :func:`prometheus_text` renders the Prometheus exposition format, and config
 ``prometheus: true`` (or :meth:`MetricsWrapper.register_prometheus`) publishes the wrapper on
 the process's default registry, under ``hicache_storage_*`` names labelled by ``backend`` and
-``operation``. All counters are updated under one lock per wrapper; thread-safe.
+``operation``. It counts with the same :class:`~hicache_storage.counters.OperationCounters` a
+store facade keeps for its callers, at this layer's place in the stack; thread-safe.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
-import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
 
-from hicache_storage.backend import _STAT_NAMES, StorageBackend
+from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.config import BackendConfig
+from hicache_storage.counters import DEFAULT_BUCKETS, OperationCounters, sum_events
 from hicache_storage.errors import MissingDependencyError
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.wrappers.base import OPERATIONS, BackendWrapper, unwrap
-
-#: Latency bucket upper bounds in seconds, from a local memory hit to a stalled network store.
-DEFAULT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from hicache_storage.wrappers.base import OPERATIONS, Layer, unwrap
 
 
 class MetricsConfig(BackendConfig):
@@ -56,22 +51,7 @@ class MetricsConfig(BackendConfig):
         return buckets
 
 
-@dataclass
-class _OperationStats:
-    buckets: int
-    calls: int = 0
-    keys: int = 0
-    hits: int = 0
-    bytes: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    latency_counts: list[int] = field(default_factory=list)  # per bucket, the last one is +Inf
-    latency_sum: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.latency_counts = [0] * (self.buckets + 1)
-
-
-class MetricsWrapper(BackendWrapper):
+class MetricsWrapper(Layer):
     """Counts and times every call; read with :meth:`snapshot` or export to Prometheus."""
 
     kind = "metrics"
@@ -81,8 +61,7 @@ class MetricsWrapper(BackendWrapper):
     def __init__(self, inner: StorageBackend, config: MetricsConfig | dict[str, Any] | str | None = None) -> None:
         super().__init__(inner, config)
         self.label = self.config.label or unwrap(inner).name
-        self._lock = threading.Lock()
-        self._ops = {op: _OperationStats(len(self.config.buckets)) for op in OPERATIONS}
+        self.counters = OperationCounters(OPERATIONS, self.config.buckets)
         if self.config.prometheus:
             self.register_prometheus()
 
@@ -111,32 +90,9 @@ class MetricsWrapper(BackendWrapper):
         super()._close()
 
     def _observe(self, operation: str, nkeys: int, call: Callable[[], Any], buffers: list[Segments] | None = None) -> Any:
-        start = time.perf_counter()
-        error: str | None = None
-        results = None
-        try:
-            results = call()
-            return results
-        except BaseException as exc:
-            error = type(exc).__name__
-            raise
-        finally:
-            elapsed = time.perf_counter() - start
-            hits = sum(results) if isinstance(results, list) else 0
-            moved = 0
-            if buffers is not None and isinstance(results, list):
-                moved = sum(segments_size(b) for b, ok in zip(buffers, results) if ok)
-            bucket = bisect.bisect_left(self.config.buckets, elapsed)
-            with self._lock:
-                stats = self._ops[operation]
-                stats.calls += 1
-                stats.keys += nkeys
-                stats.hits += hits
-                stats.bytes += moved
-                stats.latency_counts[bucket] += 1
-                stats.latency_sum += elapsed
-                if error is not None:
-                    stats.errors[error] += 1
+        if buffers is None:
+            return self.counters.observe(operation, nkeys, call)
+        return self.counters.observe(operation, nkeys, call, lambda results: sum(segments_size(b) for b, ok in zip(buffers, results) if ok))
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -146,22 +102,8 @@ class MetricsWrapper(BackendWrapper):
         ``operations[op]["latency"]["buckets"]`` is a list of ``[upper_bound, cumulative_count]``
         with ``"+Inf"`` last, as in Prometheus; ``events`` holds the lower layers' counters.
         """
-        with self._lock:
-            operations = {}
-            for op, stats in self._ops.items():
-                cumulative, running = [], 0
-                for bound, count in zip([*self.config.buckets, "+Inf"], stats.latency_counts):
-                    running += count
-                    cumulative.append([bound, running])
-                operations[op] = {
-                    "calls": stats.calls,
-                    "keys": stats.keys,
-                    "hits": stats.hits,
-                    "bytes": stats.bytes,
-                    "errors": dict(stats.errors),
-                    "latency": {"buckets": cumulative, "sum": stats.latency_sum, "count": running},
-                }
-        events = {name: value for name, value in self.inner.stats().items() if name not in _STAT_NAMES}
+        operations = self.counters.snapshot()
+        events = sum_events(level.event_counts() for level in self.inner.store.levels())
         return {"backend": self.label, "operations": operations, "events": events}
 
     def register_prometheus(self, registry: Any = None) -> None:

@@ -245,8 +245,8 @@ class TimeoutWrapper(BackendWrapper):
 
     def adjust_capabilities(self, inner: Capabilities) -> Capabilities:
         if self.config.zero_copy:
-            return inner
-        return inner.replace(zero_copy_read=False, zero_copy_write=False, buffer_registration=False)
+            return inner.replace(bounded_calls=True)
+        return inner.replace(zero_copy_read=False, zero_copy_write=False, buffer_registration=False, bounded_calls=True)
 
     # --- hooks --------------------------------------------------------------------------------
 

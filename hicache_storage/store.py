@@ -1,0 +1,306 @@
+"""The store facade: the caller's API over a stack of layers and a connector.
+
+A :class:`Store` is what callers use (the HiCache core, the SGLang adapter, the benchmark, the
+conformance suite). It owns everything that is the same for every connector:
+
+* **validation**: keys are :class:`~hicache_storage.keys.PageKey`, one buffer per key, the store
+  is open, the operation is declared (``UnsupportedOperationError`` otherwise), pages are within
+  ``max_value_size`` (``ValueTooLargeError``);
+* **buffers**: anything buffer-like (bytes, numpy, CPU tensors, ``RawBuffer``, lists of them)
+  becomes a list of flat segments;
+* **batch splitting** to ``max_batch``, and ``prefix_exists`` stopping at the first batch with a
+  miss;
+* **result checking**: one ``bool`` per key from every level of the stack
+  (:func:`check_results`, applied by each level's public hooks, see
+  :mod:`hicache_storage.backend`), else ``BackendContractError``;
+* **statistics**: one :class:`~hicache_storage.counters.OperationCounters` of the calls its
+  callers made, and the events every level of the stack counted (:meth:`Store.stats`).
+
+The stack below it is reached only through the layer interface every level offers (the public
+``hook_*`` methods, ``capabilities``, ``event_counts()``, ``close()``; see
+:mod:`hicache_storage.backend`). Capabilities are read from the top of the stack on every call,
+so a connector that refines its capabilities after opening (Redis at connect, 3FS after its
+first put) is seen at once, through every layer.
+
+Every :class:`~hicache_storage.backend.StorageBackend` (a connector or a layer) has a facade over
+itself as ``backend.store``, and its caller methods (``exists``, ``get_into``...) are that
+facade's: a connector used directly is a store with no layers. :func:`~hicache_storage.spec.open_store`
+opens a connector with its layers from one spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hicache_storage.batching import write_last_positions
+from hicache_storage.buffers import BufferLike, Segments, as_segments, as_view, segments_size
+from hicache_storage.capabilities import Capabilities
+from hicache_storage.counters import OperationCounters, sum_events
+from hicache_storage.errors import (
+    BackendClosedError,
+    BackendContractError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    UnsupportedOperationError,
+    ValueTooLargeError,
+)
+from hicache_storage.keys import Namespace, PageKey
+
+if TYPE_CHECKING:
+    from hicache_storage.backend import StorageBackend
+
+#: What a facade counts, by operation.
+COUNTED = ("exists", "get", "put", "delete", "clear", "register_buffer")
+
+
+class Store:
+    """The caller's API over ``top``, the outermost level of a stack. Thread-safe when the stack is."""
+
+    def __init__(self, top: StorageBackend) -> None:
+        self.top = top
+        self.counters = OperationCounters(COUNTED)
+
+    # --- what the stack is --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.top.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The capabilities of the whole stack, computed from the connector up on every read."""
+        return self.top.capabilities
+
+    @property
+    def closed(self) -> bool:
+        return self.top.closed
+
+    def levels(self) -> list[StorageBackend]:
+        """Every level of the stack, the outermost layer first and the connector last."""
+        chain = [self.top]
+        while (below := chain[-1].inner) is not None:
+            chain.append(below)
+        return chain
+
+    # --- the caller's API ---------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Whether each key holds a complete page (one result per key, in order)."""
+        keys = self._prepare_keys(keys, "exists")
+        return self.counters.observe("exists", len(keys), lambda: self._run_batches("exists", keys, None))
+
+    def prefix_exists(self, keys: Sequence[PageKey]) -> int:
+        """How many keys, from the first, exist without a gap (SGLang's ``batch_exists``).
+
+        Stops asking as soon as a batch has a miss, so a short hit costs one round trip.
+        """
+        keys = self._prepare_keys(keys, "exists")
+        step = self.capabilities.max_batch or len(keys) or 1
+        found = 0
+        for start in range(0, len(keys), step):
+            chunk = keys[start : start + step]
+            results = self.counters.observe("exists", len(chunk), lambda: self.top.hook_exists(chunk))
+            for hit in results:
+                if not hit:
+                    return found
+                found += 1
+        return found
+
+    def get_into(self, keys: Sequence[PageKey], targets: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """Read each key's page into the caller's buffer(s); ``True`` where the target now holds it."""
+        keys = self._prepare_keys(keys, "get")
+        views = self._prepare_buffers(keys, targets, "get", writable=True)
+        return self.counters.observe("get", len(keys), lambda: self._run_batches("get", keys, views), _bytes_moved(views))
+
+    def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
+        """Store each page from the caller's buffer(s); ``True`` where it is now stored.
+
+        A key named more than once in one batch gets a result at each position, and the **last
+        write wins**: afterwards the key holds the value of its last position (as in SGLang and in
+        every KV store), also when the batch is split to ``max_batch``. The caller may reuse its
+        buffers as soon as this returns: a stored page never follows later changes to them.
+        """
+        keys = self._prepare_keys(keys, "put")
+        views = self._prepare_buffers(keys, sources, "put", writable=False)
+        limit = self.capabilities.max_value_size
+        if limit is not None:
+            for key, segments in zip(keys, views):
+                size = segments_size(segments)
+                if size > limit:
+                    raise ValueTooLargeError(
+                        f"page of {size} bytes exceeds this backend's max_value_size of {limit} bytes; "
+                        "use a smaller page size or split parts (k/v)",
+                        backend=self.name,
+                        operation="put",
+                        key=key,
+                    )
+        return self.counters.observe("put", len(keys), lambda: self._put_batches(keys, views), _bytes_moved(views))
+
+    def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Remove each key; ``True`` where a page was removed, ``False`` where there was none."""
+        self._require("delete")
+        keys = self._prepare_keys(keys, "delete")
+        return self.counters.observe("delete", len(keys), lambda: self._run_batches("delete", keys, None))
+
+    def clear(self, namespace: Namespace) -> None:
+        """Remove every page of ``namespace`` (all shards and parts); other namespaces are untouched."""
+        self._require("clear")
+        self._check_open("clear")
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(
+                f"clear() takes the Namespace to remove, got {type(namespace).__name__}",
+                backend=self.name,
+                operation="clear",
+            )
+        self.counters.observe("clear", 0, lambda: self.top.hook_clear(namespace))
+
+    def get(self, keys: Sequence[PageKey], size: int) -> list[bytes | None]:
+        """Each key's page as ``bytes`` (``None`` on a miss); ``size`` is the page's length in bytes."""
+        if not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"size must be a non-negative int, got {size!r}", backend=self.name, operation="get")
+        buffers = [bytearray(size) for _ in keys]
+        hits = self.get_into(keys, buffers)
+        return [bytes(buf) if hit else None for buf, hit in zip(buffers, hits)]
+
+    def put(self, keys: Sequence[PageKey], values: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
+        """Store byte strings; the copying counterpart of :meth:`put_from`."""
+        return self.put_from(keys, values)
+
+    def register_buffer(self, buffer: BufferLike) -> None:
+        """Announce long-lived memory (a host KV pool) that later calls will read into and write from."""
+        self._check_open("register_buffer")
+        view = as_view(buffer, writable=False)
+        self.counters.observe("register_buffer", 0, lambda: self.top.hook_register_buffer(view))
+
+    def stats(self) -> dict[str, int]:
+        """Counters since creation: this facade's calls, keys, hits and bytes per operation, and the
+        events of every level of the stack (``timeouts``, ``retries``, ``integrity_miss_*``, a
+        connector's own counters...); an event counted at several levels is their sum."""
+        ops = self.counters.snapshot()
+        counts = {
+            "exists_calls": ops["exists"]["calls"],
+            "exists_keys": ops["exists"]["keys"],
+            "exists_hits": ops["exists"]["hits"],
+            "get_calls": ops["get"]["calls"],
+            "get_keys": ops["get"]["keys"],
+            "get_hits": ops["get"]["hits"],
+            "put_calls": ops["put"]["calls"],
+            "put_keys": ops["put"]["keys"],
+            "put_stored": ops["put"]["hits"],
+            "delete_calls": ops["delete"]["calls"],
+            "delete_keys": ops["delete"]["keys"],
+            "bytes_read": ops["get"]["bytes"],
+            "bytes_written": ops["put"]["bytes"],
+        }
+        return {**sum_events(level.event_counts() for level in reversed(self.levels())), **counts}
+
+    def close(self) -> None:
+        """Close the stack (the top closes what is below it). Idempotent; later calls raise ``BackendClosedError``."""
+        self.top.close()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _check_open(self, operation: str) -> None:
+        if self.top.closed:
+            raise BackendClosedError("backend is closed", backend=self.name, operation=operation)
+
+    def _require(self, capability: str) -> None:
+        if not getattr(self.capabilities, capability):
+            raise UnsupportedOperationError(
+                f"{self.name!r} does not support {capability}; check backend.capabilities.{capability} first",
+                backend=self.name,
+                operation=capability,
+            )
+
+    def _prepare_keys(self, keys: Sequence[PageKey], operation: str) -> list[PageKey]:
+        self._check_open(operation)
+        if isinstance(keys, (str, bytes, PageKey)):
+            raise InvalidArgumentError(
+                "keys must be a sequence of PageKey (wrap a single key in a list)", backend=self.name, operation=operation
+            )
+        keys = list(keys)
+        for key in keys:
+            if type(key) is not PageKey:
+                raise InvalidKeyError(
+                    f"keys must be PageKey objects (see hicache_storage.keys), got {type(key).__name__}: {key!r}",
+                    backend=self.name,
+                    operation=operation,
+                )
+        return keys
+
+    def _prepare_buffers(self, keys: list[PageKey], buffers: Sequence[Any], operation: str, *, writable: bool) -> list[Segments]:
+        buffers = list(buffers)
+        if len(buffers) != len(keys):
+            raise InvalidArgumentError(
+                f"got {len(keys)} keys but {len(buffers)} buffers; pass one buffer (or list of segments) per key",
+                backend=self.name,
+                operation=operation,
+            )
+        return [as_segments(buffer, writable=writable) for buffer in buffers]
+
+    def _hook(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
+        if operation == "exists":
+            return self.top.hook_exists(keys)
+        if operation == "get":
+            return self.top.hook_get_into(keys, buffers)  # type: ignore[arg-type]
+        if operation == "put":
+            return self.top.hook_put_from(keys, buffers)  # type: ignore[arg-type]
+        return self.top.hook_delete(keys)
+
+    def _run_batches(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
+        step = self.capabilities.max_batch or len(keys) or 1
+        results: list[bool] = []
+        for start in range(0, len(keys), step):
+            chunk = None if buffers is None else buffers[start : start + step]
+            results.extend(self._hook(operation, keys[start : start + step], chunk))
+        return results
+
+    def _put_batches(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
+        """Put a batch larger than ``max_batch`` in chunks, the last chunk first.
+
+        Within one put the first pages count as the most recent (``capacity_bytes``), so the
+        chunk holding the head is written last and a store that evicts the least recent writes
+        drops a prefix's tail, not its head. In that order a key named in two chunks would end
+        with its earlier value, so only each key's last position is written, and every position
+        gets its key's result. A batch within ``max_batch`` reaches the connector as given.
+        """
+        step = self.capabilities.max_batch
+        if not step or len(keys) <= step:
+            return self.top.hook_put_from(keys, sources)
+
+        def write(written: list[int]) -> list[bool]:
+            stored: dict[int, bool] = {}
+            for start in reversed(range(0, len(written), step)):
+                chunk = written[start : start + step]
+                results = self.top.hook_put_from([keys[i] for i in chunk], [sources[i] for i in chunk])
+                stored.update(zip(chunk, results))
+            return [stored[p] for p in written]
+
+        return write_last_positions(keys, write)
+
+    def __repr__(self) -> str:
+        return f"<Store {self.name!r} levels={len(self.levels())}>"
+
+
+def check_results(name: str, operation: str, keys: list[PageKey], results: Any) -> list[bool]:
+    """``results`` if it is a list of one ``bool`` per key; else ``BackendContractError`` naming ``name``."""
+    if not isinstance(results, list) or len(results) != len(keys):
+        count = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+        raise BackendContractError(
+            f"{operation} returned {count} results for {len(keys)} keys; a connector must return a list with one bool per key",
+            backend=name,
+            operation=operation,
+        )
+    for result in results:
+        if result is not True and result is not False:
+            raise BackendContractError(
+                f"{operation} returned a {type(result).__name__}; results must be True or False",
+                backend=name,
+                operation=operation,
+            )
+    return results
+
+
+def _bytes_moved(views: list[Segments]) -> Any:
+    return lambda results: sum(segments_size(v) for v, ok in zip(views, results) if ok)
