@@ -13,19 +13,14 @@ import sys
 
 from hicache_storage.conformance.pages import page_for
 from hicache_storage.keys import KeyScope, Namespace
-from hicache_storage.registry import create_backend
+from hicache_storage.spec import open_store, store_spec
 
 
 def main() -> int:
     request = json.loads(sys.stdin.readline())
     fields = {k: v for k, v in request["namespace"].items() if k != "fingerprint"}
     scope = KeyScope(Namespace(**fields))
-    store = create_backend(request["backend"], request["config"])
-    if request.get("wrappers"):
-        from hicache_storage.wrappers import wrap
-
-        store = wrap(store, request["wrappers"])
-    with store:
+    with open_store(store_spec(request["backend"], request["config"], request.get("wrappers"))) as store:
         size = request["size"]
         [read] = store.get([scope.key(request["read"])], size)
         key = scope.key(request["write"])

@@ -54,7 +54,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
-from hicache_storage.registry import create_backend
+from hicache_storage.spec import open_store, store_spec
 
 #: Largest ``max_value_size`` the suite writes in full to prove the limit is honest.
 MAX_TESTED_VALUE_SIZE = 64 * 2**20
@@ -552,14 +552,9 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
     # --- helpers ------------------------------------------------------------------------------
 
     def make_backend(self, name: str, config: dict[str, Any], wrappers: list[dict[str, Any]] | None) -> StorageBackend:
-        store = create_backend(name, config)
-        if wrappers:
-            from hicache_storage.wrappers import wrap
-
-            store = wrap(store, wrappers)
-        if self.capability_overrides:
-            store.capabilities = replace(store.capabilities, **self.capability_overrides)
-        return store
+        """The store under test: ``name`` with ``config`` under ``wrappers``, with this class's
+        ``capability_overrides`` set on the connector (so every layer above sees them)."""
+        return open_store(store_spec(name, config, wrappers, capability_overrides=self.capability_overrides))
 
     @staticmethod
     def require(store: StorageBackend, capability: str) -> None:

@@ -71,6 +71,7 @@ class RedisBackend(StorageBackend):
     Config = RedisConfig
     capabilities = Capabilities(
         native_batch_exists=True,
+        bounded_calls=True,  # socket_timeout and connect_timeout (always set) bound every call
         max_batch=256,
         max_value_size=REDIS_MAX_BULK_LEN,
         delete=True,

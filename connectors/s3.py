@@ -117,6 +117,7 @@ class S3Backend(StorageBackend):
     Config = S3Config
     capabilities = Capabilities(
         zero_copy_write=True,
+        bounded_calls=True,  # botocore's connect_timeout and read_timeout (always set) bound every call
         delete=True,
         clear=True,
         persistent=True,

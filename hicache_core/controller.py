@@ -38,7 +38,7 @@ import torch
 from hicache_storage.backend import StorageBackend
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope
-from hicache_storage.wrappers.timeout import TimeoutWrapper
+from hicache_storage.wrappers import stack_layers
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
@@ -154,15 +154,18 @@ class CacheController:
         self.prefetcher.start(backend, scope, health)
 
     def storage_stack(self, backend: StorageBackend) -> StorageBackend:
-        """``backend`` as the controller calls it: behind a zero-copy timeout (``storage_timeout_s``).
+        """``backend`` as the controller calls it: every call bounded within ``storage_timeout_s``.
 
-        Zero-copy because the controller keeps the host pages of a call that timed out pinned
-        until the call really returns (``StorageTimeoutError.when_settled``), so pages move
+        A store that does not bound its calls itself (``capabilities.bounded_calls``: a connector
+        with client timeouts of its own, or a timeout among its layers) goes behind a zero-copy
+        timeout layer (``hicache_storage.wrappers.stack_layers``, the stack builder every caller
+        uses). Zero-copy because the controller keeps the host pages of a call that timed out
+        pinned until the call really returns (``StorageTimeoutError.when_settled``), so pages move
         between the host pool and the store without a staging copy.
         """
         if self.config.storage_timeout_s is None:
             return backend
-        return TimeoutWrapper(backend, {"seconds": self.config.storage_timeout_s, "zero_copy": True})
+        return stack_layers(backend, (), default_timeout={"seconds": self.config.storage_timeout_s, "zero_copy": True})
 
     def detach_storage(self) -> StorageBackend | None:
         """Stop using L3: queued backups and prefetches finish (bounded by the timeout), then the threads exit.

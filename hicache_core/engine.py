@@ -37,7 +37,7 @@ import torch
 
 from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, Shard
-from hicache_storage.registry import create_backend
+from hicache_storage.spec import open_store, store_spec
 
 from hicache_core.controller import CacheController, ControllerConfig
 from hicache_core.metrics import CacheMetrics
@@ -78,9 +78,11 @@ class EngineConfig:
     host_bytes: int | None = None
     layout: str = "page_first"
     controller: ControllerConfig = field(default_factory=ControllerConfig)
-    #: L3: a registry name and config, or pass a backend instance to ``Engine``.
+    #: L3: a registry name, its config and its layers (innermost first, as in a
+    #: ``hicache_storage.StoreSpec``), or pass a backend instance to ``Engine``.
     storage_backend: str | None = None
     storage_config: dict[str, Any] | None = None
+    storage_layers: list[dict[str, Any]] | None = None
     tenant: str | None = None
     revision: str | None = None
     max_running: int = 8
@@ -203,7 +205,7 @@ class Engine:
             if storage is None:
                 if config.storage_backend is None:
                     raise ValueError("tiers L1+L2+L3 need storage: pass a backend or set storage_backend")
-                storage = create_backend(config.storage_backend, config.storage_config)
+                storage = open_store(store_spec(config.storage_backend, config.storage_config, config.storage_layers))
             self.attach_storage(storage)
 
     # --- public API ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """hicache-storage: the storage-backend SDK for the L3 tier of hierarchical KV caches.
 
-Start with :class:`StorageBackend` (the contract), :mod:`hicache_storage.keys` (page keys) and
-:func:`create_backend` (the registry).
+Start with :class:`StorageBackend` (the connector contract), :mod:`hicache_storage.keys` (page
+keys) and :func:`open_store` (a connector, its config and its layers from one :class:`StoreSpec`).
 """
 
 from hicache_storage.backend import StorageBackend
@@ -32,6 +32,8 @@ from hicache_storage.errors import (
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard, hash_page, page_hashes
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, longest_cut
 from hicache_storage.registry import create_backend, describe_backends, resolve
+from hicache_storage.spec import StoreSpec, open_store, store_spec
+from hicache_storage.store import Store
 from hicache_storage.wrappers import wrap
 
 __version__ = "0.1.0"
@@ -62,6 +64,8 @@ __all__ = [
     "Shard",
     "StorageBackend",
     "StorageError",
+    "Store",
+    "StoreSpec",
     "StorageTimeoutError",
     "ThrottledError",
     "UnknownBackendError",
@@ -71,7 +75,9 @@ __all__ = [
     "describe_backends",
     "hash_page",
     "longest_cut",
+    "open_store",
     "page_hashes",
     "resolve",
+    "store_spec",
     "wrap",
 ]

@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.set_defaults(run=run_list)
 
+    describe = commands.add_parser(
+        "describe",
+        help="open a store from a spec and print what it is now: its levels and their live capabilities (JSON)",
+        description="Open the store a spec names (backend, config, layers; see hicache_storage.spec.StoreSpec), "
+        "print its levels, outermost first, with the capabilities each has once open, then close it. "
+        "`list` shows what each connector class declares; this shows what an instance says after connecting.",
+    )
+    describe.add_argument("spec", help='a store spec: a JSON object such as \'{"backend": "memory"}\' or @path (json, toml, yaml)')
+    describe.set_defaults(run=run_describe)
+
     conformance = commands.add_parser(
         "conformance",
         help="run the conformance suite against a backend and write a report",
@@ -91,18 +101,13 @@ def positive_size(text: str) -> int:
 
 def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
-    from hicache_storage.registry import create_backend
+    from hicache_storage.spec import open_store, store_spec
 
     try:
         page_sizes = [positive_size(s) for s in args.page_sizes.split(",")]
     except argparse.ArgumentTypeError as exc:
         raise UsageError(f"bench-io --page-sizes: {exc}") from None
-    backend = create_backend(args.backend, args.config)
-    if args.wrappers:
-        from hicache_storage.wrappers import wrap
-
-        backend = wrap(backend, args.wrappers)
-    with backend:
+    with open_store(store_spec(args.backend, args.config, args.wrappers)) as backend:
         result = run_bench_io(
             backend,
             page_sizes=page_sizes,
@@ -111,6 +116,14 @@ def run_bench_io(args: argparse.Namespace) -> int:
         )
     print(render_markdown(result))
     print(f"written: {write_results(result, Path(args.out))}")
+    return 0
+
+
+def run_describe(args: argparse.Namespace) -> int:
+    from hicache_storage.spec import open_store
+
+    with open_store(args.spec) as store:
+        print(json.dumps(store.store.describe(), indent=2))
     return 0
 
 

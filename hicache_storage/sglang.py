@@ -60,7 +60,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
 from hicache_storage.multipool import HitPolicy, PoolSpec
-from hicache_storage.registry import create_backend
+from hicache_storage.spec import StoreSpec, open_store, store_spec
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,10 @@ class AdapterConfig(BackendConfig):
                 backend="sglang-adapter",
             )
         return cls.parse(ours, backend="sglang-adapter")
+
+    def store_spec(self) -> StoreSpec:
+        """The store this adapter opens: the connector, its config and the wrappers as its layers."""
+        return store_spec(self.connector, self.connector_config, self.wrappers)
 
 
 class HiCacheStorageAdapter(HiCacheStorage):
@@ -151,12 +155,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         self.shard = replace(self.tp_shard, replicated=storage_config.is_mla_model)
         #: SGLang's own rule: MLA ranks share one writer (TP rank 0), MHA ranks all write.
         self.is_writer = bool(storage_config.is_storage_writer)
-        backend = create_backend(self.config.connector, self.config.connector_config)
-        if self.config.wrappers:
-            from hicache_storage.wrappers import wrap
-
-            backend = wrap(backend, self.config.wrappers)
-        self.backend: StorageBackend = backend
+        self.backend: StorageBackend = open_store(self.config.store_spec())
         self.namespace: Namespace | None = None
         self.scope: KeyScope | None = None
         self._pool_scopes: dict[str, KeyScope] = {}

@@ -83,6 +83,21 @@ class Store:
             chain.append(below)
         return chain
 
+    def describe(self) -> dict[str, Any]:
+        """This stack as plain data (JSON-serializable), read now: its capabilities, and each level,
+        outermost first, with its kind and its own capabilities; the connector's config with
+        secrets masked. What ``hicache-storage describe`` prints for an open store."""
+        levels = self.levels()
+        return {
+            "name": self.name,
+            "capabilities": self.capabilities.as_dict(),
+            "levels": [
+                {"name": level.name, "kind": getattr(level, "kind", "connector"), "capabilities": level.capabilities.as_dict()}
+                for level in levels
+            ],
+            "config": levels[-1].config.public_dict(),
+        }
+
     # --- the caller's API ---------------------------------------------------------------------
 
     def exists(self, keys: Sequence[PageKey]) -> list[bool]:
