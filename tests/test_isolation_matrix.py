@@ -14,6 +14,7 @@ import pytest
 
 from connector_matrix import CONNECTORS, connector_config
 from hicache_storage import KeyScope, Namespace, Shard, create_backend
+from hicache_storage.conformance.clauses_identity import SHARD_VARIANTS
 
 BASE = Namespace(model="isolation-model", kv_dtype="bfloat16", page_size=64, layout="page_first", revision="r1", tenant="alpha")
 NAMESPACE_VARIANTS = {
@@ -26,13 +27,6 @@ NAMESPACE_VARIANTS = {
     "layout": replace(BASE, layout="layer_first"),
     "page_size": replace(BASE, page_size=32),
     "format_version": replace(BASE, format_version=BASE.format_version + 1),
-}
-SHARD_VARIANTS = {
-    "tp_rank": Shard(tp_rank=1, tp_size=2),
-    "tp_size": Shard(tp_rank=0, tp_size=4),
-    "pp_rank": Shard(pp_rank=1, pp_size=2),
-    "cp_rank": Shard(cp_rank=1, cp_size=2),
-    "mla_replicated": Shard(replicated=True),
 }
 PAGE = 1024
 
@@ -61,7 +55,7 @@ def test_identities_never_share_pages(request, tmp_path, label):
 
             # MLA: every TP rank reads the one replicated copy, whatever its rank.
             other_rank = KeyScope(BASE, Shard(tp_rank=3, tp_size=4, replicated=True))
-            assert store.get([other_rank.key(page_hash)], PAGE) == [values["shard:mla_replicated"]]
+            assert store.get([other_rank.key(page_hash)], PAGE) == [values["shard:replicated"]]
 
             if store.capabilities.clear:
                 store.clear(NAMESPACE_VARIANTS["tenant"])
