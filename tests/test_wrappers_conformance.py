@@ -1,7 +1,10 @@
-"""Every wrapper, alone and stacked, passes the whole conformance suite around the memory connector.
+"""Each layer kind passes the whole conformance suite once over the memory connector, and one
+combined stack passes it over the file connector (persistence, other processes, zero-copy).
 
-Timeouts here are far above anything a memory call takes: these runs prove forwarding and
-semantics, not timing (the timeout behaviour itself is tested in test_wrappers_timeout.py).
+Real servers get one combined stack each (tests/test_wrappers_mooncake.py); what a layer does
+(timing, retries, trailers, counters, faults) is asserted by the behaviour tests in the other
+tests/test_wrappers_*.py files, which run in a fraction of a suite's time. Timeouts here are far
+above anything a memory call takes: these runs prove forwarding and semantics, not timing.
 """
 
 import pytest
@@ -17,17 +20,27 @@ class TestTimeoutConformance(ConformanceTests):
     wrappers = [{"kind": "timeout", "seconds": 60, "workers": 4}]
 
 
-class TestRetryConformance(ConformanceTests):
-    backend = "memory"
-    wrappers = [{"kind": "retry", "attempts": 3, "base_seconds": 0.001, "seed": 1}]
+class TestRetryHidesInjectedErrorsConformance(ConformanceTests):
+    """A store failing 30% of calls with retryable errors still conforms behind retry."""
 
-
-class TestIntegrityConformance(ConformanceTests):
     backend = "memory"
-    wrappers = [{"kind": "integrity"}]
+    wrappers = [
+        {
+            "kind": "faults",
+            "seed": 3,
+            **{
+                op: {"error_rate": 0.3, "errors": ["unavailable", "timeout", "throttled"]}
+                for op in ("exists", "get", "put", "delete", "clear")
+            },
+        },
+        {"kind": "retry", "attempts": 40, "base_seconds": 0.0001, "cap_seconds": 0.001, "deadline_seconds": None, "seed": 3},
+    ]
 
 
 class TestIntegrityBlake2bVerifiedExistsConformance(ConformanceTests):
+    """Integrity with its non-default options, on a store whose value size limit it must lower
+    (the default crc32 trailer runs in the combined stacks)."""
+
     backend = "memory"
     wrappers = [{"kind": "integrity", "checksum": "blake2b", "verify_exists": True}]
 
@@ -48,46 +61,21 @@ class TestFaultsWithNoFaultsConformance(ConformanceTests):
     wrappers = [{"kind": "faults", "seed": 1}]
 
 
-class TestRetryHidesInjectedErrorsConformance(ConformanceTests):
-    """A store failing 30% of calls with retryable errors still conforms behind retry."""
+class TestZeroCopyStackOnFileConformance(ConformanceTests):
+    """Every layer kind in one stack, in the order a zero-copy timeout needs (retry and integrity
+    below it), on a persistent store that reads and writes zero-copy: the stack must survive
+    reopening, serve another process, keep the zero-copy clauses, and honour a batch limit the
+    capability overrides set on the connector."""
 
-    backend = "memory"
-    wrappers = [
-        {
-            "kind": "faults",
-            "seed": 3,
-            **{
-                op: {"error_rate": 0.3, "errors": ["unavailable", "timeout", "throttled"]}
-                for op in ("exists", "get", "put", "delete", "clear")
-            },
-        },
-        {"kind": "retry", "attempts": 40, "base_seconds": 0.0001, "cap_seconds": 0.001, "deadline_seconds": None, "seed": 3},
-    ]
-
-
-class TestRecommendedStackConformance(ConformanceTests):
-    """The order the docs recommend, with a value size limit and a batch limit to honour."""
-
-    backend = "memory"
+    backend = "file"
     capability_overrides = {"max_batch": 7}
     wrappers = [
         {"kind": "faults", "seed": 2},
         {"kind": "integrity"},
-        {"kind": "timeout", "seconds": 60},
         {"kind": "retry", "attempts": 3, "base_seconds": 0.001},
+        {"kind": "timeout", "seconds": 60, "workers": 4, "zero_copy": True},
         {"kind": "metrics"},
     ]
-
-    @pytest.fixture
-    def backend_config(self):
-        return CAPPED_MEMORY
-
-
-class TestRecommendedStackOnFileConformance(ConformanceTests):
-    """On a persistent store the stack must also survive reopening and serve another process."""
-
-    backend = "file"
-    wrappers = TestRecommendedStackConformance.wrappers
 
     @pytest.fixture
     def backend_config(self, tmp_path):

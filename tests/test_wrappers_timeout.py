@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from hicache_storage.conformance import ConformanceTests
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
     AuthenticationError,
@@ -595,19 +594,3 @@ def test_pages_of_a_mebibyte_and_more_round_trip_through_staging():
     assert store.get(keys(2)[:1], len(pages[0])) == [pages[0]]
     assert store.get(keys(2)[1:], len(pages[1])) == [pages[1]]  # a reused buffer, holding the first page
     store.close()
-
-
-class TestZeroCopyTimeoutConformance(ConformanceTests):
-    backend = "memory"
-    wrappers = [{"kind": "timeout", "seconds": 60, "workers": 4, "zero_copy": True}]
-
-
-class TestZeroCopyTimeoutOnFileConformance(ConformanceTests):
-    """The file connector reads zero-copy: the suite's zero-copy clauses run through the wrapper."""
-
-    backend = "file"
-    wrappers = TestZeroCopyTimeoutConformance.wrappers
-
-    @pytest.fixture
-    def backend_config(self, tmp_path):
-        return {"root": str(tmp_path / "pages")}
