@@ -10,6 +10,9 @@
 * **Prefetch** (storage -> host): see :mod:`hicache_core.prefetch` (``controller.prefetcher``).
 * **Load back** (host -> device) layer by layer; see :mod:`hicache_core.transfer`.
 * **Buffer-only**: host memory only stages pages on their way to and from storage.
+* **Components** (hybrid models, :mod:`hicache_core.side_pools`): every operation above moves
+  each component's state of its nodes too, each in its own L3 pool (``MultiPoolStore``);
+  ``backfill`` backs up state that appears on a node already backed up.
 
 Threads and safety. The scheduler thread owns the tree and calls every public method here. The
 backup and prefetch threads touch only pool memory they were handed (pinned in the allocator
@@ -36,14 +39,15 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.backend import StorageBackend
-from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope
+from hicache_storage.multipool import MultiPoolStore, PoolSpec
 from hicache_storage.wrappers import stack_layers
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
+from hicache_core.side_pools import PoolPages, backup_pages, tiered
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
 from hicache_core.tp import TPContext
 from hicache_core.transfer import CopyDone, LayerLoad, Transfers
@@ -70,16 +74,18 @@ class ControllerConfig:
     #: Longest wait for one storage call; ``None`` trusts the backend's own timeouts (zero-copy).
     storage_timeout_s: float | None = 5.0
     kernel_backend: str | None = None
+    #: Back up a component's state that appears on a node already backed up (a branch point's
+    #: recurrent checkpoint): without it nothing copies that state to the host and L3.
+    backfill: bool = True
 
 
 @dataclass(eq=False)
 class _BackupOp:
+    """One node's storage backup: its pages of every pool (the FULL KV's first, when it has any)."""
+
     node: TreeNode
-    hashes: list[str]
-    host_indices: torch.Tensor
+    pools: list[PoolPages]
     stored_pages: int = 0
-    #: A put that timed out but may still read the host pages (zero-copy timeout).
-    abandoned: StorageTimeoutError | None = None
 
 
 @dataclass(eq=False)
@@ -88,6 +94,9 @@ class _PendingWrite:
     done: CopyDone | torch.cuda.Event
     #: Whether the node was locked for the copy (an asynchronous one); a waited-for copy is not.
     locked: bool
+    #: Where the copied tokens start: a match may split the node before the copy completes,
+    #: and the upper parts (its ancestors now) hold host pages of the same copy.
+    begin: int
 
 
 class CacheController:
@@ -111,6 +120,9 @@ class CacheController:
         self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
         self.storage: StorageBackend | None = None
         self.scope: KeyScope | None = None
+        #: Components whose state moves with the FULL KV (none for a FULL-only model).
+        self.components = tiered(tree.components)
+        self.store: MultiPoolStore | None = None
         #: Whether the attached store is still called; a fresh one per attachment.
         self.storage_health: StorageHealth | None = None
         self._pending_writes: deque[_PendingWrite] = deque()
@@ -145,13 +157,15 @@ class CacheController:
         except Exception:  # registration is an optimization: a store that refuses it still works
             log.exception("registering the host pool with %s failed; continuing without", backend.name)
         self.storage, self.scope = backend, scope
+        pools = [PoolSpec(scope.part), *(c.pool_spec(self.page_size) for c in self.components)]
+        store = self.store = MultiPoolStore(backend, scope, pools)
         health = self.storage_health = StorageHealth(self.metrics, given_name)
         self._backup_thread = threading.Thread(
-            target=self._backup_loop, args=(backend, health), name="hicache-backup", daemon=True
+            target=self._backup_loop, args=(store, health), name="hicache-backup", daemon=True
         )
         self._backup_thread.start()
         assert self.prefetcher is not None
-        self.prefetcher.start(backend, scope, health)
+        self.prefetcher.start(backend, scope, health, store)
 
     def storage_stack(self, backend: StorageBackend) -> StorageBackend:
         """``backend`` as the controller calls it: every call bounded within ``storage_timeout_s``.
@@ -218,14 +232,25 @@ class CacheController:
     # --- writes: device -> host -> storage ----------------------------------------------------
 
     def on_insert(self, result: InsertResult) -> None:
-        """Apply the write policy to the nodes an insert created or touched."""
-        if self.host is None or self.config.write_policy is WritePolicy.WRITE_BACK:
+        """Apply the write policy to the nodes of the inserted path (and backfill components)."""
+        if self.host is None:
             return
-        for node in [*result.existing_nodes, *result.new_nodes]:
-            if node.device_value is None or node.host_value is not None:
+        policy = self.config.write_policy
+        for node in self.tree.path(result.last_node):
+            if node.host_value is not None:
+                if self.config.backfill and self.components:
+                    self._backfill(node)
                 continue
-            if self.config.write_policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
+            if node.device_value is None or policy is WritePolicy.WRITE_BACK:
+                continue
+            if policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
                 self.write_to_host(node)
+
+    def _backfill(self, node: TreeNode) -> None:
+        """Back up components' state that appeared on ``node`` after its FULL KV was backed up."""
+        backed_up = [c for c in self.components if c.back_up(node)]
+        if backed_up:
+            self._queue_storage_backup(node, full=False)
 
     def write_to_host(self, node: TreeNode, *, wait: bool = False) -> bool:
         """Copy ``node``'s device KV to new host pages; storage backup follows when the copy completes."""
@@ -249,17 +274,20 @@ class CacheController:
         if host_slots is None:
             return False
         done = self.transfers.backup(node.device_value, host_slots)
+        begin = node.end - len(node.key)
         node.host_value = host_slots
+        for component in self.components:
+            component.back_up(node)
         self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
         if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
-            self._pending_writes.append(_PendingWrite(node, done, locked=True))
+            self._pending_writes.append(_PendingWrite(node, done, True, begin))
             return True
         done.synchronize()
         if self._pending_writes:  # complete, but acknowledged in order after the copies before it
-            self._pending_writes.append(_PendingWrite(node, done, locked=False))
+            self._pending_writes.append(_PendingWrite(node, done, False, begin))
         else:
-            self._write_completed(node, done)
+            self._write_completed(node, done, begin)
         return True
 
     def _backup_on_evict(self, node: TreeNode) -> bool:
@@ -277,113 +305,139 @@ class CacheController:
             pending = self._pending_writes.popleft()
             if pending.locked:
                 self.tree.unlock(pending.node)
-            self._write_completed(pending.node, pending.done)
+            self._write_completed(pending.node, pending.done, pending.begin)
 
-    def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event) -> None:
-        """A device -> host copy finished: queue the storage backup, or drop a copy that failed."""
+    def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event, begin: int) -> None:
+        """A device -> host copy of the tokens from ``begin`` to ``node.end`` finished: queue the
+        storage backup of every node now holding them, or drop a copy that failed."""
+        copied = [n for n in (self.tree.path(node) if self.tree.in_tree(node) else [node]) if n.end - len(n.key) >= begin]
         if isinstance(done, CopyDone):
             self.metrics.add(host_backup_seconds=done.seconds)
             if done.error is not None:  # the host pages hold a partial copy: never serve them
                 self.metrics.add(host_backup_errors=1)
-                self.tree.drop_host_value(node)
+                for part in reversed(copied):
+                    self.tree.drop_host_value(part)
                 return
-        self._queue_storage_backup(node)
+        for part in copied:
+            self._queue_storage_backup(part)
 
-    def _queue_storage_backup(self, node: TreeNode) -> None:
-        """Queue ``node``'s host pages for storage. A rank that does not write (replicated MLA KV)
-        queues an empty operation anyway: every rank must protect and release the same host pages
-        at the same agreed points, or their trees would diverge."""
+    def _queue_storage_backup(self, node: TreeNode, *, full: bool = True) -> None:
+        """Queue ``node``'s host pages of every pool for storage (only its components' with
+        ``full=False``). A rank that does not write (replicated MLA KV) queues an operation
+        anyway: every rank must protect and release the same host pages at the same agreed
+        points, or their trees would diverge."""
         if self.storage is None or node.host_value is None:
             return
-        op = _BackupOp(node, list(node.page_hashes), node.host_value.clone())
+        assert self.host is not None and self.scope is not None
+        pools = backup_pages(node, self.components)
+        if full:
+            slots = node.host_value.clone()
+            kv = PoolPages(self.scope.part, list(node.page_hashes), self.host.segments_for(slots), slots, self.host.allocator, True)
+            pools.insert(0, kv)
+        op = _BackupOp(node, pools)
         self.tree.protect_host(node)
-        assert self.host is not None
-        self.host.allocator.pin_io(op.host_indices)
+        for pages in pools:
+            pages.pin()
         self._backups_outstanding += 1
         self._backup_queue.put(op)
 
-    def _backup_loop(self, backend: StorageBackend, health: StorageHealth) -> None:
+    def _backup_loop(self, store: MultiPoolStore, health: StorageHealth) -> None:
         while True:
             op = self._backup_queue.get()
             if op is None:
                 return
             try:
-                self._run_backup(backend, health, op)
+                self._run_backup(store, health, op)
             except Exception:  # never let one failure stop later backups
-                log.exception("storage backup of %d pages failed", len(op.hashes))
+                log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
                 self.metrics.add(storage_errors=1)
             finally:
-                assert self.host is not None
                 # A put that timed out may still read the pages: they stay pinned until it returns.
-                self.host.allocator.unpin_io_when_settled(op.host_indices, op.abandoned)
+                for pages in op.pools:
+                    pages.unpin()
                 self._backup_acks.put(op)
 
-    def _run_backup(self, backend: StorageBackend, health: StorageHealth, op: _BackupOp) -> None:
-        """Store the pages of ``op`` the store lacks, and rewrite those a read found bad.
-
-        Pages ``prefix_exists`` reports are skipped, except the prefetcher's suspects (reported,
-        yet unreadable: corrupted or truncated in place), which would otherwise stay bad forever.
-        A page stored here stops being suspect. Nothing is called on a store given up.
-        """
-        assert self.scope is not None and self.host is not None and self.prefetcher is not None
+    def _run_backup(self, store: MultiPoolStore, health: StorageHealth, op: _BackupOp) -> None:
+        """Store each pool's pages of ``op`` the store lacks. Nothing is called on a store given up."""
+        assert self.scope is not None
         if not self.scope.shard.is_writer or health.failed:
             return
         started = time.perf_counter()
-        keys = self.scope.keys(op.hashes)
-        present = guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists", health=health)
+        for pages in op.pools:
+            if not self._store_pages(store, health, op, pages):
+                break
+        self.metrics.add(storage_backup_ops=1, storage_backup_seconds=time.perf_counter() - started)
+
+    def _store_pages(self, store: MultiPoolStore, health: StorageHealth, op: _BackupOp, pool: PoolPages) -> bool:
+        """Store the pages of one pool the store lacks, and rewrite those a read found bad;
+        whether every page is stored.
+
+        Pages ``prefix_exists`` reports are skipped, except the prefetcher's suspects (reported,
+        yet unreadable: corrupted or truncated in place), which would otherwise stay bad forever.
+        A page stored here stops being suspect.
+        """
+        assert self.prefetcher is not None
+        keys = store.keys(pool.pool, pool.hashes)
+        present = guarded_call(self.metrics, lambda: store.backend.prefix_exists(keys), 0, "exists", health=health)
         suspects = self.prefetcher.suspects
-        rewrite = suspects.among(op.hashes[:present])
-        op.stored_pages = present - len(rewrite)
+        rewrite = suspects.among(pool.hashes[:present]) if pool.rewrite_suspects else []
+        op.stored_pages += present - len(rewrite)
         self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
-        segments = self.host.segments_for(op.host_indices)
         pages = [*rewrite, *range(present, len(keys))]
         step = self.config.batch_pages
         for begin in range(0, len(pages), step):
             batch = pages[begin : begin + step]
             results = guarded_call(
                 self.metrics,
-                lambda: backend.put_from([keys[i] for i in batch], [segments[i] for i in batch]),
+                lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
                 None,
                 "put",
-                lambda exc: setattr(op, "abandoned", exc),
+                lambda exc: setattr(pool, "abandoned", exc),
                 health=health,
             )
             stored = leading_successes(results)
-            suspects.forget(op.hashes[i] for i in batch[:stored])
+            if pool.rewrite_suspects:
+                suspects.forget(pool.hashes[i] for i in batch[:stored])
             op.stored_pages += stored
-            self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * self.host.page_bytes)
+            self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * pool.page_bytes)
             if results is None or stored < len(results):
                 self.metrics.add(storage_backup_failed_batches=1)
-                break
-        self.metrics.add(storage_backup_ops=1, storage_backup_seconds=time.perf_counter() - started)
+                return False
+        return True
 
     def _drop_staging(self, node: TreeNode) -> None:
         """Buffer-only: the host copy was only staging; free it once nothing reads it."""
         # A locked node is in use by a request: its host copy may go once the device holds the KV.
         if node.host_value is not None and node.host_ref == 0 and (node.device_value is not None or node.lock_ref == 0):
+            for component in self.components:
+                component.drop(node, device=False)
             self.tree.drop_host_value(node)
 
     # --- reads: storage -> host ---------------------------------------------------------------
 
     # --- host -> device ----------------------------------------------------------------------
 
-    def load_back(self, match: MatchResult) -> tuple[TreeNode, LayerLoad | None]:
-        """Bring the host part of ``match`` to the device, layer by layer.
+    def load_back(self, match: MatchResult, node: TreeNode | None = None) -> tuple[TreeNode, LayerLoad | None]:
+        """Bring the host part of ``match`` (down to ``node``, a node of the match: by default
+        its end) to the device, layer by layer.
 
-        Locks and returns the deepest node now usable (the host node on success, else the
-        device node when device memory could not be found), and the load to wait on (None when
-        nothing is loaded). The caller unlocks the node when the request is done.
+        Locks and returns the deepest node now usable (``node`` on success, or an ancestor on
+        the device when ``node`` lies above the device part, else the device node when device
+        memory could not be found), and the load to wait on (None when nothing is loaded). The
+        caller unlocks the node when the request is done.
         """
-        if match.host_hit_length == 0 or self.transfers is None:
-            self.tree.lock(match.device_node)
-            return match.device_node, None
-        self.tree.lock(match.host_node)  # keeps the host copies and the device prefix during the load
-        slots = self.alloc_device(match.host_hit_length)
+        target = match.host_node if node is None else node
+        if target.end <= match.device_hit_length or self.transfers is None:
+            usable = target if target.end <= match.device_hit_length else match.device_node
+            self.tree.lock(usable)
+            return usable, None
+        self.tree.lock(target)  # keeps the host copies and the device prefix during the load
+        slots = self.alloc_device(target.end - match.device_hit_length)
         if slots is None:
-            self.tree.unlock(match.host_node)
+            self.tree.unlock(target)
             self.tree.lock(match.device_node)
             return match.device_node, None
-        nodes = self.tree.path(match.host_node, below=match.device_node)
+        nodes = self.tree.path(target, below=match.device_node)
         host_parts, offset = [], 0
         for node in nodes:
             assert node.host_value is not None and node.device_value is None
@@ -400,7 +454,7 @@ class CacheController:
         load = self.transfers.load(device_indices, host_indices, on_done)
         if self.config.buffer_only and self.storage is not None:
             self._staged_loads.append((load, nodes))
-        return match.host_node, load
+        return target, load
 
     def release_staged_loads(self) -> None:
         """Buffer-only: after the loads are waited for, free the host staging they read."""
@@ -462,3 +516,4 @@ class CacheController:
             backend.close()
         if self.transfers is not None:
             self.transfers.close()
+

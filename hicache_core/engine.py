@@ -22,16 +22,19 @@ Use::
 ``EngineConfig.compute`` set to a :class:`~hicache_core.model.ModeledCompute` replaces the
 forward pass by its modeled cost (sleep) while every KV movement stays real. Single-threaded:
 call an engine from one thread.
+
+Every model runs here: a FULL-only one (:class:`~hicache_core.model.ModelConfig`) and a hybrid
+one (:class:`~hicache_core.hybrid.model.HybridModelConfig`: sliding-window and recurrent layers
+and a draft model), whose components' state the tree, the controller and the prefetcher move
+with the FULL KV (see :mod:`hicache_core.runner` and :mod:`hicache_core.side_pools`). A request
+resumes at the deepest boundary every component accepts (``RadixTree.resume_point``).
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -39,128 +42,17 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.spec import open_store, store_spec
 
-from hicache_core.controller import CacheController, ControllerConfig
+from hicache_core.controller import CacheController
 from hicache_core.metrics import CacheMetrics
-from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool
-from hicache_core.prefetch import PrefetchOp, PrefetchState
-from hicache_core.radix_tree import RadixTree, TreeNode
-from hicache_core.sessions import SessionTable, SessionTicket
+from hicache_core.prefetch import PrefetchState
+from hicache_core.radix_tree import RadixTree
+from hicache_core.requests import CacheTiers, EngineCapacityError, EngineConfig, HybridPools, Live, Request, RequestResult
+from hicache_core.runner import make_runner
+from hicache_core.sessions import SessionTable
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
-
-
-class CacheTiers(str, enum.Enum):
-    OFF = "off"  # no prefix reuse at all: every prompt is recomputed
-    L1 = "L1"
-    L1_L2 = "L1+L2"
-    L1_L2_L3 = "L1+L2+L3"
-
-    @property
-    def host(self) -> bool:
-        return self in (CacheTiers.L1_L2, CacheTiers.L1_L2_L3)
-
-    @property
-    def storage(self) -> bool:
-        return self is CacheTiers.L1_L2_L3
-
-
-@dataclass
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    tiers: CacheTiers = CacheTiers.L1_L2
-    page_size: int = 16
-    device_pages: int = 256
-    #: Host pool size: exactly one of these (``host_ratio`` is relative to the device pool).
-    host_ratio: float | None = 2.0
-    host_pages: int | None = None
-    host_bytes: int | None = None
-    layout: str = "page_first"
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    #: L3: a registry name, its config and its layers (innermost first, as in a
-    #: ``hicache_storage.StoreSpec``), or pass a backend instance to ``Engine``.
-    storage_backend: str | None = None
-    storage_config: dict[str, Any] | None = None
-    storage_layers: list[dict[str, Any]] | None = None
-    tenant: str | None = None
-    revision: str | None = None
-    max_running: int = 8
-    #: ``None`` runs the reference model; a ModeledCompute sleeps for the modeled cost instead.
-    compute: ModeledCompute | None = None
-    device: str | None = None
-    tp: TPContext | None = None
-    #: Sessions whose last token sequence (with its page hashes) is kept for their next request,
-    #: least recently finished dropped first; 0 keeps none (every request hashes its whole prompt).
-    session_sequences: int = 256
-
-
-@dataclass
-class Request:
-    rid: str
-    tokens: list[int]
-    max_new_tokens: int = 8
-    #: Requests of one conversation share an id: their cached prefixes are evicted last (see
-    #: :mod:`hicache_core.sessions`) until ``Engine.close_session``.
-    session_id: str | None = None
-
-    def check(self) -> None:
-        """Raise ``ValueError`` for a request no engine can serve."""
-        if self.max_new_tokens < 1 or len(self.tokens) < 1:
-            raise ValueError(f"request {self.rid!r} needs at least one prompt token and max_new_tokens >= 1")
-
-
-@dataclass
-class RequestResult:
-    rid: str
-    prompt_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    #: Logits of each generated token, ``(max_new_tokens, vocab)``; None under modeled compute.
-    logits: torch.Tensor | None = None
-    cached_device: int = 0
-    cached_host: int = 0
-    cached_storage: int = 0
-    computed: int = 0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host + self.cached_storage
-
-
-class EngineCapacityError(RuntimeError):
-    """One request needs more device memory than the whole device pool can give it."""
-
-
-@dataclass(eq=False)
-class _Live:
-    request: Request
-    result: RequestResult
-    submitted: float
-    #: The prompt, then each output token as it is generated: every tree call and prefetch plan
-    #: of the request reads this one sequence (or an O(1) prefix of it), so its page hashes are
-    #: computed once per page.
-    sequence: TokenSequence
-    prefetch: PrefetchOp | None = None
-    node: TreeNode | None = None
-    prefix_slots: torch.Tensor | None = None
-    own_slots: torch.Tensor | None = None
-    storage_tokens: int = 0
-    planned_match: int = 0
-    refetched: bool = False
-    #: Locked while the request waits: the prefix its prefetch hangs from, then the pages it fetched.
-    pinned: TreeNode | None = None
-    session: SessionTicket | None = None
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def prefix_len(self) -> int:
-        return 0 if self.prefix_slots is None else int(self.prefix_slots.numel())
-
-    def context(self, length: int) -> torch.Tensor:
-        assert self.prefix_slots is not None and self.own_slots is not None
-        return torch.cat([self.prefix_slots, self.own_slots[: length - self.prefix_len]])
 
 
 class Engine:
@@ -171,7 +63,8 @@ class Engine:
             raise ValueError("buffer-only mode stages pages for storage: it needs tiers L1+L2+L3")
         self.config = config
         self.tp = config.tp or TPContext()
-        geometry = config.model.geometry
+        self.runner = make_runner(config)
+        geometry = self.runner.geometry
         self.device_pool = DevicePool(geometry, config.device_pages, config.page_size, config.device)
         self.host_pool: HostPool | None = None
         if config.tiers.host:
@@ -189,14 +82,15 @@ class Engine:
             config.page_size,
             free_device=self.device_pool.allocator.free,
             free_host=self.host_pool.allocator.free if self.host_pool else None,
+            components=self.runner.build(self.device_pool, self.host_pool),
         )
+        self.runner.attach(self.tree)
         self.controller = CacheController(
             config.controller, self.tree, self.device_pool, self.host_pool, metrics=self.metrics, tp=self.tp
         )
         self.sessions = SessionTable(self.tree)
-        self.model = TinyDecoder(config.model, self.device_pool.device) if config.compute is None else None
-        self._waiting: list[_Live] = []
-        self._running: list[_Live] = []
+        self._waiting: list[Live] = []
+        self._running: list[Live] = []
         self._prefilled: set[int] = set()
         self._done: dict[str, RequestResult] = {}
         #: Session id -> the sequence its last finished request reached (see ``_sequence_for``).
@@ -215,10 +109,10 @@ class Engine:
         """Where this engine's pages live in storage: model, dtype, page size, layout, tenant, shard."""
         c = self.config
         namespace = Namespace(
-            c.model.name, c.model.geometry.dtype_name, c.page_size, c.layout, revision=c.revision, tenant=c.tenant
+            c.model.name, self.runner.geometry.dtype_name, c.page_size, c.layout, revision=c.revision, tenant=c.tenant
         )
-        shard = Shard(tp_rank=self.tp.rank, tp_size=self.tp.size, replicated=c.model.mla)
-        return KeyScope(namespace, shard, "kv")
+        shard = Shard(tp_rank=self.tp.rank, tp_size=self.tp.size, replicated=self.runner.replicated)
+        return KeyScope(namespace, shard, self.runner.kv_part)
 
     def attach_storage(self, backend: StorageBackend) -> None:
         """Start using ``backend`` as L3 at runtime (with tensor parallelism: on every rank at once)."""
@@ -244,7 +138,8 @@ class Engine:
         """
         request.check()
         self._check_fits(request)
-        live = _Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
+        self.runner.check_fits(request)
+        live = Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
         if request.session_id is not None:
             live.session = self.sessions.ticket(request.session_id)
         if self.config.tiers is not CacheTiers.OFF:
@@ -301,6 +196,7 @@ class Engine:
 
     def close(self) -> None:
         self.controller.close()
+        self.runner.close()
         if self.host_pool is not None:
             self.host_pool.close()
 
@@ -326,7 +222,7 @@ class Engine:
                     return continued
         return TokenSequence(self.config.page_size, request.tokens)
 
-    def _keep_session_sequence(self, live: _Live) -> None:
+    def _keep_session_sequence(self, live: Live) -> None:
         """Keep the finished request's sequence for its session's next turn, unless the session
         was closed while the request ran (a closed session keeps nothing)."""
         limit = self.config.session_sequences
@@ -338,11 +234,11 @@ class Engine:
         while len(self._session_sequences) > limit:
             self._session_sequences.popitem(last=False)
 
-    def _matchable(self, live: _Live) -> TokenSequence:
+    def _matchable(self, live: Live) -> TokenSequence:
         """The prompt minus its last token: that one is always computed, to produce logits."""
         return live.sequence.prefix(len(live.request.tokens) - 1)
 
-    def _plan_prefetch(self, live: _Live) -> None:
+    def _plan_prefetch(self, live: Live) -> None:
         """Match and plan the storage prefetch of the rest. The matched prefix stays locked until
         the prefetch is finished, so the fetched pages have something to hang from (waiting
         requests' pins are released if the head of the queue needs the memory: _unpin_waiting)."""
@@ -434,42 +330,47 @@ class Engine:
                 released = True
         return released
 
-    def _unpin(self, live: _Live) -> None:
+    def _unpin(self, live: Live) -> None:
         if live.pinned is not None:
             self.tree.unlock(live.pinned)
             live.pinned = None
 
-    def _prefix_lost(self, live: _Live) -> bool:
+    def _prefix_lost(self, live: Live) -> bool:
         if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
             return False
         match = self.tree.match_prefix(self._matchable(live), count_host=not self.config.controller.buffer_only)
         return match.matched_length < live.planned_match
 
-    def _start(self, live: _Live) -> bool:
+    def _start(self, live: Live) -> bool:
         """Place the request's KV (cached prefix + new slots) and prefill; False if device memory is short."""
         request, result = live.request, live.result
         inserted = live.storage_tokens
         load: LayerLoad | None = None
-        device_hit = 0
-        if self.config.tiers is CacheTiers.OFF:
-            live.prefix_slots = torch.empty(0, dtype=torch.int64)
-        else:
+        device_hit = matched = 0
+        node = self.tree.root  # resuming at the root needs no lock (it is never evicted)
+        if self.config.tiers is not CacheTiers.OFF:
             count_host = not self.config.controller.buffer_only or inserted > 0
             match = self.tree.match_prefix(self._matchable(live), count_host=count_host)
-            live.node, load = self.controller.load_back(match)
-            device_hit = match.device_hit_length
-            live.prefix_slots = self.tree.device_slots(live.node)
+            resume = self.tree.resume_point(match.host_node, on_device=False)
+            node, load = self.controller.load_back(match, resume)
+            device_hit, matched = match.device_hit_length, match.matched_length
+        live.node = self.runner.begin(live, node, load, matched)
+        live.prefix_slots = self.tree.device_slots(live.node)
         need = len(request.tokens) + request.max_new_tokens - 1 - live.prefix_len
         live.own_slots = self.controller.alloc_device(need)
-        if live.own_slots is None:
+        if live.own_slots is None or not self.runner.reserve(live, need):
+            if live.own_slots is not None:
+                self.device_pool.allocator.free(live.own_slots)
+                live.own_slots = None
+            self.runner.release(live)
             if load is not None:
                 load.wait_all()
                 self.controller.release_staged_loads()
-            if live.node is not None:
-                self.tree.unlock(live.node)
-                live.node = None
+            self.tree.unlock(live.node)
+            live.node = None
             return False
         self._unpin(live)  # its prefix is locked as live.node now
+        device_hit = min(device_hit, live.prefix_len)
         loaded = live.prefix_len - device_hit
         result.cached_device = device_hit
         result.cached_storage = min(inserted, loaded)
@@ -488,49 +389,27 @@ class Engine:
         self.controller.release_staged_loads()
         return True
 
-    def _decode(self, live: _Live) -> None:
+    def _decode(self, live: Live) -> None:
         length = len(live.request.tokens) + len(live.result.output_ids)
         self._forward(live, live.result.output_ids[-1:], length, None, prefill=False)
         if len(live.result.output_ids) >= live.request.max_new_tokens:
             self._finish(live)
 
-    def _forward(self, live: _Live, tokens: Sequence[int], length: int, load: LayerLoad | None, *, prefill: bool) -> None:
+    def _forward(self, live: Live, tokens: Sequence[int], length: int, load: LayerLoad | None, *, prefill: bool) -> None:
         """Compute ``tokens`` (the last ones of a ``length``-token context) and append the next token."""
-        context = live.context(length)
-        new_slots = context[length - len(tokens) :]
-        if self.model is not None:
-            ids = torch.tensor(list(tokens), dtype=torch.int64)
-            logits = self.model.forward(
-                ids, self.device_pool.kv, new_slots.to(self.device_pool.device), context.to(self.device_pool.device),
-                load.wait if load is not None else None,
-            )
-            last = logits[-1].cpu()
-            live.logits.append(last)
-            self._emit(live, int(last.argmax()))
-            return
-        compute = self.config.compute
-        assert compute is not None
-        if prefill:  # a decode step's cost is charged once per step, for the whole batch (see step)
-            per_layer = compute.prefill_seconds(len(tokens)) / self.config.model.layers
-            for layer in range(self.config.model.layers):
-                if load is not None:
-                    load.wait(layer)
-                time.sleep(per_layer)
-        seed = (sum(tokens[-4:]) * 31 + length) % self.config.model.vocab_size
-        self._emit(live, seed)
-
-    @staticmethod
-    def _emit(live: _Live, token: int) -> None:
+        token = self.runner.forward(live, tokens, length, load, prefill)
         live.result.output_ids.append(token)
         live.sequence.append(token)
 
-    def _finish(self, live: _Live) -> None:
+    def _finish(self, live: Live) -> None:
         self._running.remove(live)
         self._prefilled.discard(id(live))
         request, result = live.request, live.result
         assert live.own_slots is not None
         if self.config.tiers is CacheTiers.OFF:
             self.device_pool.allocator.free(live.own_slots)
+            self.runner.release(live)
+            self.tree.unlock(live.node)
         else:
             self._cache(live)
         self._keep_session_sequence(live)
@@ -539,7 +418,7 @@ class Engine:
         result.latency_s = time.perf_counter() - live.submitted
         self._done[request.rid] = result
 
-    def _cache(self, live: _Live) -> None:
+    def _cache(self, live: Live) -> None:
         """Insert the whole pages whose KV was computed; free the request's other slots."""
         assert live.own_slots is not None and live.node is not None
         ps = self.config.page_size
@@ -558,6 +437,10 @@ class Engine:
             inserted = None
         if own.numel() > keep_until:
             self.device_pool.allocator.free(own[keep_until:])
+        if inserted is not None:
+            self.runner.cache(live, inserted.last_node, full)
+        else:
+            self.runner.release(live)
         if live.session is not None:
             self.sessions.reference(live.session, inserted.last_node if inserted is not None else live.node)
         self.tree.unlock(live.node)
@@ -599,6 +482,7 @@ __all__ = [
     "Engine",
     "EngineCapacityError",
     "EngineConfig",
+    "HybridPools",
     "Request",
     "RequestResult",
     "make_conversations",

@@ -13,6 +13,11 @@ arrived once the first batch is back: an op stopped before the thread reached it
 nothing), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds
 after issue), then puts the completed pages into the tree as host copies.
 
+Components (hybrid models): the op restores the longest cut every pool accepts
+(``MultiPoolStore.restorable_pages``) and reads each component's trailing pages before that
+cut with the FULL pages (:class:`~hicache_core.side_pools.SideFetch`); their state is placed at
+the cut only when every rank read all of it and every FULL page up to the cut.
+
 Page safety: an op's host pages are pinned in the allocator until the thread is done with them,
 so pages freed by an early stop are not reused while a read may still land in them.
 
@@ -37,10 +42,12 @@ import torch
 from hicache_storage.backend import StorageBackend
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, PageKey, page_hashes
+from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
+from hicache_core.side_pools import SideFetch, lead_hashes, tiered
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
@@ -104,6 +111,10 @@ class PrefetchOp:
     #: Set once the first batch of reads has returned (or the op ended without one).
     first_batch: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    #: Hybrid models: the hashes of the pages before ``start`` that components' trailing
+    #: windows may need, and each component's read (see :mod:`hicache_core.side_pools`).
+    lead_hashes: list[str] = field(default_factory=list)
+    sides: list[SideFetch] = field(default_factory=list)
 
     @property
     def pages(self) -> int:
@@ -178,15 +189,22 @@ class Prefetcher:
         self.pages_in_flight = 0
         self.storage: StorageBackend | None = None
         self.scope: KeyScope | None = None
+        self.components = tiered(tree.components)
+        #: Pages before a cut each component's window needs, and the longest of them.
+        self._trailing: dict[str, int] = {}
+        self.lead_pages = 0
         self._queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = SuspectPages()
 
-    def start(self, backend: StorageBackend, scope: KeyScope, health: StorageHealth) -> None:
-        """Read from ``backend`` on a new thread; a prefetch finds nothing once ``health`` gave it up."""
+    def start(self, backend: StorageBackend, scope: KeyScope, health: StorageHealth, store: MultiPoolStore) -> None:
+        """Read from ``backend`` (as ``store``'s pools) on a new thread; a prefetch finds nothing
+        once ``health`` gave it up."""
         self.storage, self.scope = backend, scope
-        self._thread = threading.Thread(target=self._loop, args=(backend, health), name="hicache-prefetch", daemon=True)
+        self._trailing = {c.name: store.pools[c.name].trailing_pages for c in self.components}
+        self.lead_pages = max(self._trailing.values(), default=0)
+        self._thread = threading.Thread(target=self._loop, args=(store, health), name="hicache-prefetch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -228,7 +246,10 @@ class Prefetcher:
         # The prefetcher does not pin the prefix (the engine does while its request waits). If it
         # is evicted meanwhile, insert_host finds the gap and the prefetched pages are dropped
         # (counted), never attached to the wrong place.
-        return PrefetchOp(request_id, head, start, hashes)
+        op = PrefetchOp(request_id, head, start, hashes)
+        if self.lead_pages:
+            op.lead_hashes = lead_hashes(tokens, start, self.lead_pages, match.host_node, ps)
+        return op
 
     def try_issue(self, op: PrefetchOp) -> bool:
         """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
@@ -247,15 +268,33 @@ class Prefetcher:
         op.issued_at = time.monotonic()
         op.state = PrefetchState.RUNNING
         self.host.allocator.pin_io(slots)
+        self._reserve_sides(op)
         self.pages_in_flight += op.pages
         self.metrics.add(prefetch_issued=1)
         if self.storage is None:  # detached meanwhile: nothing will read; release it as revoked
             self.host.allocator.unpin_io(slots)
+            for side in op.sides:
+                side.component.host_allocator.unpin_io(side.slots)  # type: ignore[union-attr]
             op.state = PrefetchState.REVOKED
             op.done.set()
         else:
             self._queue.put(op)
         return True
+
+    def _reserve_sides(self, op: PrefetchOp) -> None:
+        """Host slots (pinned) for each component's trailing pages; none at all if one is short."""
+        sides: list[SideFetch] = []
+        for component in self.components:
+            trailing = self._trailing[component.name]
+            slots = component.reserve(trailing)
+            if slots is None:
+                for side in sides:
+                    side.component.free_host(side.slots)
+                return
+            sides.append(SideFetch(component, trailing, slots))
+        for side in sides:
+            side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
+        op.sides = sides
 
     def ready(self, op: PrefetchOp) -> bool:
         """Whether the request may stop waiting for ``op``, by the stop policy (agreed: MAX of 'keep waiting')."""
@@ -298,17 +337,36 @@ class Prefetcher:
                         self.host.allocator.free(unused)
             if used < op.host_indices.numel():
                 self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
+            if op.sides:
+                self._place_sides(op, completed if inserted is not None else 0)
             self.pages_in_flight -= op.pages
         op.state = PrefetchState.FINISHED
         return inserted
 
-    def _loop(self, backend: StorageBackend, health: StorageHealth) -> None:
+    def _place_sides(self, op: PrefetchOp, completed: int) -> None:
+        """Give the components their state read for the op's cut, if every rank read all of it
+        and every FULL page up to the cut; free what is not placed."""
+        complete = completed == op.hit_pages > 0 and all(side.complete for side in op.sides)
+        node = None
+        if not self.tp.scheduler.all_max(int(not complete)):
+            end = op.start + completed * self.page_size
+            match = self.tree.match_prefix(_head(op.tokens, end))
+            node = match.host_node if match.host_node.end == end else None
+        for side in op.sides:
+            rest = side.slots
+            if node is not None:
+                side.component.place(node, side.read_slots)
+                rest = side.slots[side.read_slots.numel() :]
+            if rest.numel():
+                side.component.free_host(rest)
+
+    def _loop(self, store: MultiPoolStore, health: StorageHealth) -> None:
         while True:
             op = self._queue.get()
             if op is None:
                 return
             try:
-                self._run(backend, health, op)
+                self._run(store, health, op)
             except Exception:
                 log.exception("prefetch for request %s failed", op.request_id)
                 self.metrics.add(storage_errors=1)
@@ -318,13 +376,20 @@ class Prefetcher:
                 op.first_batch.set()
                 op.done.set()
 
-    def _run(self, backend: StorageBackend, health: StorageHealth, op: PrefetchOp) -> None:
+    def _run(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> None:
         assert self.scope is not None and self.host is not None and op.host_indices is not None
         op.started_at = time.monotonic()
+        backend = store.backend
         keys: list[PageKey] = self.scope.keys(op.hashes)
+        lead = len(op.lead_hashes)
+        chain = op.lead_hashes + op.hashes
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
         skip = op.terminate.is_set() or health.failed
-        local_hit = 0 if skip else guarded_call(self.metrics, lambda: backend.prefix_exists(keys), 0, "exists", health=health)
+        local_hit = (
+            0
+            if skip
+            else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
+        )
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
         pinned_from = 0
@@ -335,6 +400,18 @@ class Prefetcher:
                 self.metrics.add(prefetch_revoked=1)
                 return
             started = time.perf_counter()
+            for side in op.sides:
+                window = side.window(chain, lead, op.start // self.page_size, hit)
+                buffers = side.component.fetch_buffers(side.read_slots)
+                got_side = guarded_call(
+                    self.metrics,
+                    lambda: backend.get_into(store.keys(side.component.name, window), buffers),
+                    None,
+                    "get",
+                    abandoned.append,
+                    health=health,
+                )
+                side.complete = got_side is not None and all(got_side)
             segments = self.host.segments_for(op.host_indices[: hit * self.page_size])
             step = self.batch_pages
             for begin in range(0, hit, step):
@@ -364,7 +441,10 @@ class Prefetcher:
                     break
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
-            self.host.allocator.unpin_io_when_settled(op.host_indices[pinned_from:], abandoned[0] if abandoned else None)
+            settling = abandoned[0] if abandoned else None
+            self.host.allocator.unpin_io_when_settled(op.host_indices[pinned_from:], settling)
+            for side in op.sides:
+                side.component.host_allocator.unpin_io_when_settled(side.slots, settling)  # type: ignore[union-attr]
 
 
 def _head(tokens: Sequence[int], length: int) -> Sequence[int]:

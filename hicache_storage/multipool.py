@@ -58,12 +58,15 @@ class PoolSpec:
     """One pool: its key part, and which pages it needs before a cut.
 
     ``trailing_pages`` is the window of a ``TRAILING_PAGES`` pool (at least 1); leave it at 1 for
-    ``ALL_PAGES``.
+    ``ALL_PAGES``. ``scope`` is the pool's own key scope when its namespace or shard differs from
+    the store's (a pool of another dtype, a state replicated on every TP rank); its part is
+    replaced by ``name`` either way.
     """
 
     name: str
     hit_policy: HitPolicy = HitPolicy.ALL_PAGES
     trailing_pages: int = 1
+    scope: KeyScope | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -81,6 +84,8 @@ class PoolSpec:
             raise InvalidArgumentError(
                 f"pool {self.name!r}: trailing_pages must be an int >= 1 (the pages a cut needs); got {window!r}"
             )
+        if self.scope is not None and not isinstance(self.scope, KeyScope):
+            raise InvalidArgumentError(f"pool {self.name!r}: scope must be a KeyScope or None; got {type(self.scope).__name__}")
         if policy is HitPolicy.ALL_PAGES and window != 1:
             raise InvalidArgumentError(
                 f"pool {self.name!r}: trailing_pages={window} applies to TRAILING_PAGES pools only; "
@@ -152,7 +157,7 @@ class MultiPoolStore:
         self._scopes: dict[str, KeyScope] = {}
         for spec in pools:
             try:
-                self._scopes[spec.name] = scope.with_part(spec.name)
+                self._scopes[spec.name] = (spec.scope or scope).with_part(spec.name)
             except InvalidKeyError as exc:
                 raise InvalidArgumentError(f"pool name {spec.name!r} is not a valid key part: {exc.message}") from exc
         self.backend = backend
@@ -171,34 +176,50 @@ class MultiPoolStore:
     def usable_pages(self, page_hashes: Sequence[str]) -> int:
         """The longest prefix of ``page_hashes`` (in pages) every pool can restore.
 
-        Asks the ALL_PAGES pools with ``prefix_exists`` first, each over the prefix the previous
-        ones left, then each TRAILING_PAGES pool with one ``exists`` over the longest cut still
-        possible. A :class:`~hicache_storage.errors.StorageError` that is not permanent (temporary,
-        or persistent once retries gave up) counts as nothing present: it is logged and the
-        answer is 0; a permanent one is raised.
+        :meth:`restorable_pages` from the first page, except that a
+        :class:`~hicache_storage.errors.StorageError` that is not permanent (temporary, or
+        persistent once retries gave up) counts as nothing present: it is logged and the answer
+        is 0; a permanent one is raised.
+        """
+        if isinstance(page_hashes, (str, bytes)):
+            raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
+        try:
+            return self.restorable_pages(page_hashes)
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
+            logger.warning("hicache_storage: multi-pool lookup of %d pages failed, reporting no hit: %s", len(page_hashes), exc)
+            return 0
+
+    def restorable_pages(self, page_hashes: Sequence[str], held: int = 0) -> int:
+        """The longest cut of ``page_hashes`` (in pages, at least ``held``) every pool accepts,
+        for a caller that already holds every pool's state of the first ``held`` pages' prefix
+        except what trailing pools need at a later cut.
+
+        Asks the ALL_PAGES pools with ``prefix_exists`` from page ``held`` on, each over the
+        prefix the previous ones left, then each TRAILING_PAGES pool with one ``exists`` over the
+        pages its window can reach (from ``held - trailing_pages``). Returns ``held`` when no
+        longer cut is accepted. Errors raise (the core decides what a failed lookup means).
         """
         if isinstance(page_hashes, (str, bytes)):
             raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
         hashes = list(page_hashes)
+        if not 0 <= held <= len(hashes):
+            raise InvalidArgumentError(f"held must lie in [0, {len(hashes)}] (pages of page_hashes); got {held}")
         limit = len(hashes)
-        try:
-            for spec in self._by_policy(HitPolicy.ALL_PAGES):
-                if limit == 0:
-                    return 0
-                limit = self.backend.prefix_exists(self.keys(spec.name, hashes[:limit]))
-            accepted = [True] * (limit + 1)
-            for spec in self._by_policy(HitPolicy.TRAILING_PAGES):
-                if limit == 0:
-                    return 0
-                present = self.backend.exists(self.keys(spec.name, hashes[:limit]))
-                accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(present))]
-                limit = max(c for c, ok in enumerate(accepted) if ok)
-                accepted = accepted[: limit + 1]
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: multi-pool lookup of %d pages failed, reporting no hit: %s", len(hashes), exc)
-            return 0
+        for spec in self._by_policy(HitPolicy.ALL_PAGES):
+            if limit == held:
+                return held
+            limit = held + self.backend.prefix_exists(self.keys(spec.name, hashes[held:limit]))
+        accepted = [True] * (limit + 1)
+        for spec in self._by_policy(HitPolicy.TRAILING_PAGES):
+            if limit == held:
+                return held
+            first = max(0, held - spec.trailing_pages)
+            present = [False] * first + self.backend.exists(self.keys(spec.name, hashes[first:limit]))
+            accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(present))]
+            limit = max([held] + [c for c in range(held, limit + 1) if accepted[c]])
+            accepted = accepted[: limit + 1]
         return limit
 
     def presence(self, page_hashes: Sequence[str]) -> dict[str, list[bool]]:

@@ -1,6 +1,7 @@
 """Tensor parallelism: two ranks (processes, gloo) whose stores answer at different speeds make the
 same cache decisions under every stop policy, never deadlock, and match the single-process output.
-MLA: only rank 0 writes storage, both read it."""
+MLA: only rank 0 writes storage, both read it. A hybrid model (FULL + SWA + recurrent, with a
+draft model) too: every pool's prefetch is agreed the same way."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ WORKER = textwrap.dedent(
     from hicache_core.controller import ControllerConfig
     from hicache_core.prefetch import PrefetchConfig, StopPolicy
     from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, make_conversations, serve_conversations
+    from hicache_core.hybrid.model import HybridModelConfig
     from hicache_core.model import ModelConfig
     from hicache_core.tp import TPContext
     from hicache_storage import create_backend
@@ -32,11 +34,10 @@ WORKER = textwrap.dedent(
     conversations = make_conversations(clients=2, rounds=3, turn_tokens=20, vocab_size=256, seed=21)
     delay = 0.001 if rank == 0 else 0.02  # the ranks' stores answer at very different speeds
     records = {}
-    for mla in (False, True):
-        model = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=1 if mla else 2, head_dim=8,
-                            ffn=64, mla=mla, latent_dim=16, seed=4)
+    for kind in ("mha", "mla", "hybrid"):
+        model = model_for(kind)
         for policy in StopPolicy:
-            name = f"{'mla' if mla else 'mha'}-{policy.value}"
+            name = f"{kind}-{policy.value}"
             slow = {"latency_rate": 1.0, "latency_seconds": delay}
             backend = FaultInjectionWrapper(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
             controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy, timeout_base_s=60.0))
@@ -52,6 +53,8 @@ WORKER = textwrap.dedent(
                                 for rnd in rounds + [again] for r in rnd],
                     "storage_backup_ops": engine.metrics.snapshot()["storage_backup_ops"],
                 }
+                if kind == "hybrid":
+                    records[name]["draft_ids"] = [r.draft_ids for rnd in rounds + [again] for r in rnd]
     json.dump(records, open(out, "w"))
     dist.destroy_process_group()
     """
@@ -59,6 +62,17 @@ WORKER = textwrap.dedent(
 
 PROMPTS = textwrap.dedent(
     """
+    def model_for(kind):
+        from hicache_core.hybrid.model import HybridModelConfig
+        from hicache_core.model import ModelConfig
+
+        if kind == "hybrid":
+            return HybridModelConfig(vocab_size=256, hidden=32, q_heads=4, kv_heads=2, head_dim=8, ffn=64, window=8,
+                                     state_dim=8, seed=4)
+        mla = kind == "mla"
+        return ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=1 if mla else 2, head_dim=8,
+                           ffn=64, mla=mla, latent_dim=16, seed=4)
+
     def engine_prompts(rounds, conversations):
         histories = [[] for _ in conversations]
         prompts = []
@@ -104,26 +118,31 @@ def test_two_ranks_agree_under_every_stop_policy(tmp_path):
     for proc, log in zip(procs, logs):
         assert proc.returncode == 0, f"a rank failed (or deadlocked and was killed):\n{log[-4000:]}"
     rank0, rank1 = (json.loads(out.read_text()) for out in outs)
-    assert set(rank0) == {f"{kind}-{policy}" for kind in ("mha", "mla") for policy in ("best_effort", "wait_complete", "timeout")}
+    kinds = ("mha", "mla", "hybrid")
+    assert set(rank0) == {f"{kind}-{policy}" for kind in kinds for policy in ("best_effort", "wait_complete", "timeout")}
     for name in rank0:
-        assert rank0[name]["results"] == rank1[name]["results"], f"{name}: the ranks decided differently"
+        for field in ("results", "draft_ids"):
+            assert rank0[name].get(field) == rank1[name].get(field), f"{name}: the ranks decided differently"
     # Outputs match a single-process run without any cache.
-    from hicache_core.model import ModelConfig
-
-    for kind, mla in (("mha", False), ("mla", True)):
-        model = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=1 if mla else 2, head_dim=8,
-                            ffn=64, mla=mla, latent_dim=16, seed=4)
+    namespace: dict = {}
+    exec(PROMPTS, namespace)
+    for kind in kinds:
         conversations = make_conversations(clients=2, rounds=3, turn_tokens=20, vocab_size=256, seed=21)
-        with Engine(EngineConfig(model=model, tiers=CacheTiers.OFF, page_size=4, device_pages=24)) as engine:
-            expected = [r.output_ids for rnd in serve_conversations(engine, conversations, 3) for r in rnd]
+        with Engine(EngineConfig(model=namespace["model_for"](kind), tiers=CacheTiers.OFF, page_size=4, device_pages=24)) as engine:
+            plain = [r for rnd in serve_conversations(engine, conversations, 3) for r in rnd]
+        expected = [r.output_ids for r in plain]
         for policy in ("best_effort", "wait_complete", "timeout"):
             got = [entry[1] for entry in rank0[f"{kind}-{policy}"]["results"]]
             assert got[: len(expected)] == expected
             assert got[len(expected) :] == expected[-2:], "the flushed last round came back identical"
-    for policy in ("wait_complete", "timeout"):
-        for rank in (rank0, rank1):
-            restored = [entry[4] for entry in rank[f"mha-{policy}"]["results"][-2:]]
-            assert sum(restored) > 0, "after the flush the last round is restored from L3"
+            if kind == "hybrid":
+                drafts = rank0[f"{kind}-{policy}"]["draft_ids"]
+                assert drafts[: len(plain)] == [r.draft_ids for r in plain] and drafts[len(plain) :] == drafts[len(plain) - 2 : len(plain)]
+    for kind in ("mha", "hybrid"):
+        for policy in ("wait_complete", "timeout"):
+            for rank in (rank0, rank1):
+                restored = [entry[4] for entry in rank[f"{kind}-{policy}"]["results"][-2:]]
+                assert sum(restored) > 0, f"{kind}: after the flush the last round is restored from L3"
     # MLA: KV is replicated, so only rank 0 writes; rank 1 still restores what rank 0 wrote.
     for policy in ("best_effort", "wait_complete", "timeout"):
         assert rank0[f"mla-{policy}"]["storage_backup_ops"] > 0

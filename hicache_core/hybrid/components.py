@@ -16,18 +16,98 @@ and evict it themselves in the tree's order (unreferenced by sessions, then leas
 first), never from a locked node. The FULL KV decides where a node exists; a component's state
 without it is freed with the node.
 
-Single-threaded, like the tree: the engine's scheduler owns both.
+Given its memory (:class:`KVMemory` for SWA KV, :class:`StateMemory` for checkpoints), a
+component also moves its state between the tiers for the cache controller and the prefetcher
+(:class:`hicache_core.side_pools.TieredComponent`): it backs a node's state up to the host,
+names the L3 pages holding it (pool ``swa``: one page per page of the node; pool ``mamba``: one
+value under the node's last page), places state fetched from L3 at a cut, and brings a resume
+point's state to the device.
+
+Single-threaded, like the tree: the engine's scheduler owns both (the prefetch and backup threads
+only read and write host slots they were handed, pinned).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from hicache_core.pools import PageAllocator
+from hicache_storage.multipool import HitPolicy, PoolSpec
+
+from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
 from hicache_core.radix_tree import RadixTree, TreeNode
+from hicache_core.transfer import Transfers
+
+
+class SlotMemory(Protocol):
+    """Where a component's slots live: copies between the tiers and the host slots as L3 values."""
+
+    device_allocator: PageAllocator
+    host_allocator: PageAllocator | None
+
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
+
+    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
+
+    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
+        """One L3 value per page (``allocator.page_size`` slots) of ``host_slots``."""
+        ...
+
+
+class KVMemory:
+    """A KV-shaped pool on the device and (optionally) the host, with the copies between them."""
+
+    def __init__(
+        self, geometry: KVGeometry, page_size: int, device_pages: int, host_pages: int | None, layout: str, device: str | None
+    ) -> None:
+        self.device = DevicePool(geometry, device_pages, page_size, device)
+        self.host = HostPool(geometry, page_size, layout, num_pages=host_pages) if host_pages else None
+        self.transfers = Transfers(self.device, self.host) if self.host is not None else None
+        self.device_allocator = self.device.allocator
+        self.host_allocator = self.host.allocator if self.host is not None else None
+
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        assert self.transfers is not None
+        self.transfers.backup(device_slots, host_slots).synchronize()
+
+    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        assert self.transfers is not None
+        self.transfers.load(device_slots, host_slots, lambda _: None).wait_all()
+
+    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
+        assert self.host is not None
+        return self.host.segments_for(host_slots)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()
+        if self.host is not None:
+            self.host.close()
+
+
+class StateMemory:
+    """Recurrent-state checkpoints: one ``shape`` tensor per slot, on the device and the host."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device_slots: int, host_slots: int | None, device: torch.device) -> None:
+        self.device = torch.zeros((device_slots, *shape), dtype=dtype, device=device)
+        self.host = torch.zeros((host_slots or 0, *shape), dtype=dtype)
+        self.device_allocator = PageAllocator(device_slots, 1)
+        self.host_allocator = PageAllocator(host_slots, 1) if host_slots else None
+
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self.host[host_slots] = self.device[device_slots].cpu()
+
+    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self.device[device_slots] = self.host[host_slots].to(self.device.device)
+
+    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
+        return [self.host[int(slot)] for slot in host_slots.tolist()]
+
+    def close(self) -> None:
+        return None
 
 
 @dataclass
@@ -50,9 +130,15 @@ class PooledComponent:
 
     name = "component"
 
-    def __init__(self, device_allocator: PageAllocator, host_allocator: PageAllocator | None) -> None:
+    def __init__(
+        self, device_allocator: PageAllocator, host_allocator: PageAllocator | None, memory: SlotMemory | None = None
+    ) -> None:
         self.device_allocator = device_allocator
         self.host_allocator = host_allocator
+        #: The slots' memory; a component without one keeps state in the tree only (no tier copies).
+        self.memory = memory
+        #: Write-back: device state is copied to the host when it is evicted (as the FULL KV is).
+        self.write_back = False
         self.tree: RadixTree | None = None
 
     # --- per-node state --------------------------------------------------------------------
@@ -130,12 +216,67 @@ class PooledComponent:
         for node in candidates:
             if allocator.free_pages * allocator.page_size >= count:
                 break
+            if device and self.write_back:
+                self.back_up(node)
             freed += self.drop(node, device)
         return freed
 
     def _holders(self, device: bool) -> Iterator[TreeNode]:
         assert self.tree is not None
         return (n for n in self.tree.nodes() if self.slots(n, device) is not None)
+
+    # --- tier copies (the controller's and the prefetcher's side of a component) --------------
+
+    def pool_spec(self, page_size: int) -> PoolSpec:
+        """How L3 holds this state: its pool's key part and hit policy."""
+        raise NotImplementedError
+
+    def stored_hashes(self, node: TreeNode) -> list[str]:
+        """The page hashes naming ``node``'s state in L3, one per value of ``host_buffers``."""
+        raise NotImplementedError
+
+    def back_up(self, node: TreeNode) -> bool:
+        """Copy ``node``'s device state to new host slots if the host lacks it; whether it did."""
+        copies = self.copies(node)
+        if copies is None or copies.device is None or copies.host is not None or self.host_allocator is None:
+            return False
+        assert self.memory is not None
+        slots = self.alloc(int(copies.device.numel()), device=False)
+        if slots is None:
+            return False
+        self.memory.to_host(copies.device, slots)
+        self.set(node, slots, device=False)
+        return True
+
+    def stored_pages(self, node: TreeNode) -> tuple[list[str], list[Any], torch.Tensor] | None:
+        """``node``'s host state as L3 pages: hashes, one value each, and the host slots they read."""
+        slots = self.slots(node, device=False)
+        if slots is None:
+            return None
+        assert self.memory is not None
+        return self.stored_hashes(node), self.memory.host_buffers(slots), slots
+
+    def reserve(self, pages: int) -> torch.Tensor | None:
+        """Host slots for ``pages`` of this component's L3 values (a fetch reads into them)."""
+        assert self.host_allocator is not None
+        return self.alloc(pages * self.host_allocator.page_size, device=False)
+
+    def fetch_buffers(self, slots: torch.Tensor) -> list[Any]:
+        assert self.memory is not None
+        return self.memory.host_buffers(slots)
+
+    def place(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """Give state fetched for a cut at ``node.end`` (the trailing pages' values, in
+        ``slots``) to the nodes it belongs to; slots a node already has state for are freed."""
+        raise NotImplementedError
+
+    def materialize(self, node: TreeNode) -> bool:
+        """Bring to the device what resuming at ``node.end`` needs; False if device memory is short."""
+        return True
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        assert self.host_allocator is not None
+        self.host_allocator.free(slots)
 
 
 class SlidingWindow(PooledComponent):
@@ -146,9 +287,65 @@ class SlidingWindow(PooledComponent):
 
     name = "swa"
 
-    def __init__(self, context_tokens: int, device_allocator: PageAllocator, host_allocator: PageAllocator | None) -> None:
-        super().__init__(device_allocator, host_allocator)
+    def __init__(
+        self,
+        context_tokens: int,
+        device_allocator: PageAllocator,
+        host_allocator: PageAllocator | None,
+        memory: SlotMemory | None = None,
+    ) -> None:
+        super().__init__(device_allocator, host_allocator, memory)
         self.context_tokens = context_tokens
+
+    @classmethod
+    def on(cls, memory: KVMemory, context_tokens: int) -> SlidingWindow:
+        """A window over ``memory``'s pools (their allocators are the component's)."""
+        return cls(context_tokens, memory.device_allocator, memory.host_allocator, memory)
+
+    def pool_spec(self, page_size: int) -> PoolSpec:
+        return PoolSpec(self.name, HitPolicy.TRAILING_PAGES, max(1, -(-self.context_tokens // page_size)))
+
+    def stored_hashes(self, node: TreeNode) -> list[str]:
+        return list(node.page_hashes)
+
+    def place(self, node: TreeNode, slots: torch.Tensor) -> None:
+        assert self.tree is not None
+        start = node.end - int(slots.numel())
+        self.tree.boundary(node, start)  # the fetched pages start a node
+        unused = []
+        for n in self.tree.path(node):
+            begin = n.end - len(n.key)
+            if begin < start:
+                continue
+            part = slots[begin - start : n.end - start]
+            if self.slots(n, device=False) is None:
+                self.set(n, part, device=False)
+            else:
+                unused.append(part)
+        if unused:
+            self.free_host(torch.cat(unused))
+
+    def materialize(self, node: TreeNode) -> bool:
+        assert self.memory is not None
+        for n in self.window(node):
+            if self.present(n, device=True):
+                continue
+            host_slots = self.slots(n, device=False)
+            device_slots = self.alloc(len(n.key), device=True)
+            if device_slots is None or host_slots is None:
+                if device_slots is not None:
+                    self.device_allocator.free(device_slots)
+                return False
+            self.memory.to_device(device_slots, host_slots)
+            self.set(n, device_slots, device=True)
+        return True
+
+    def device_window(self, node: TreeNode, first: int) -> torch.Tensor:
+        """Device slots of positions ``[first, node.end)`` (every node covering them holds them)."""
+        parts = [self.slots(n, device=True) for n in self.window(node)]
+        assert all(p is not None for p in parts), "the window was not brought to the device"
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
+        return slots[slots.numel() - (node.end - first) :]
 
     def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
         copies = self.copies(lower)
@@ -200,6 +397,35 @@ class RecurrentState(PooledComponent):
     """
 
     name = "mamba"
+
+    @classmethod
+    def on(cls, memory: StateMemory) -> RecurrentState:
+        return cls(memory.device_allocator, memory.host_allocator, memory)
+
+    def pool_spec(self, page_size: int) -> PoolSpec:
+        return PoolSpec(self.name, HitPolicy.TRAILING_PAGES, 1)
+
+    def stored_hashes(self, node: TreeNode) -> list[str]:
+        return [node.page_hashes[-1]]
+
+    def place(self, node: TreeNode, slots: torch.Tensor) -> None:
+        if self.slots(node, device=False) is None:
+            self.set(node, slots, device=False)
+        else:
+            self.free_host(slots)
+
+    def state_at(self, node: TreeNode, initial: torch.Tensor) -> torch.Tensor:
+        """A private copy of the state at ``node.end`` (``initial`` at the root); the checkpoint stays intact."""
+        assert self.tree is not None and isinstance(self.memory, StateMemory)
+        if node is self.tree.root:
+            return initial
+        device_slot = self.slots(node, device=True)
+        if device_slot is not None:
+            return self.memory.device[int(device_slot)].clone()
+        host_slot = self.slots(node, device=False)
+        assert host_slot is not None, f"{node} was accepted without a checkpoint"
+        # ``copy=True``: on the CPU ``to`` would return the checkpoint itself, and the model mutates it.
+        return self.memory.host[int(host_slot)].to(self.memory.device.device, copy=True)
 
     def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
         return None

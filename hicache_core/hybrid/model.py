@@ -87,11 +87,11 @@ class HybridModelConfig:
         unknown = [kind for kind in self.layer_kinds if kind not in LAYER_KINDS]
         if unknown:
             raise ValueError(f"HybridModelConfig.layer_kinds has unknown kind(s) {unknown!r}: each must be one of {LAYER_KINDS}")
-        missing = [kind for kind in LAYER_KINDS if kind not in self.layer_kinds]
+        missing = [kind for kind in (FULL, SWA) if kind not in self.layer_kinds]
         if missing:
             raise ValueError(
-                f"HybridModelConfig.layer_kinds must hold at least one layer of each kind {LAYER_KINDS}, missing {missing!r} "
-                f"(a model of full-attention layers only is hicache_core.model.ModelConfig)"
+                f"HybridModelConfig.layer_kinds must hold at least one {FULL!r} and one {SWA!r} layer (recurrent layers "
+                f"are optional), missing {missing!r} (a model of full-attention layers only is hicache_core.model.ModelConfig)"
             )
 
     @property
@@ -257,7 +257,10 @@ class HybridDecoder:
             x = rms_norm(h, layer["norm2"])
             h = h + linear(torch.relu(linear(x, layer["w1"])), layer["w2"])
         logits = linear(rms_norm(h, self.final_norm), self.head)
-        snapshots = {p: torch.stack([rows[i] for rows in layer_snapshots]) for i, p in enumerate(snapshot_positions)}
+        snapshots = {
+            p: torch.stack([rows[i] for rows in layer_snapshots]) if layer_snapshots else state.clone()
+            for i, p in enumerate(snapshot_positions)
+        }
         return logits, snapshots
 
     def _check(
