@@ -105,3 +105,18 @@ def test_bad_bench_arguments_are_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_cli_defaults_are_the_engine_defaults():
+    """`hicache-storage bench` with no flags runs BenchConfig's defaults (the CLI once kept
+    `best_effort` after the engine's default became `timeout`, and every CLI run measured the old policy)."""
+    from hicache_storage.cli import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    defaults = BenchConfig()
+    assert StopPolicy(args.stop_policy) is defaults.stop_policy
+    assert args.write_policy == defaults.write_policy.value
+    for name in ("layout", "page_size", "host_ratio", "prefetch_threshold", "dtype", "model"):
+        assert getattr(args, name) == getattr(defaults, name), name
+    for name in ("prefill_tokens_per_s", "layers", "kv_heads", "head_dim"):
+        assert getattr(args, name) is None, f"--{name} must default to BenchConfig's value (None), not its own"

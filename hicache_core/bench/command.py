@@ -45,7 +45,12 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     tiers.add_argument("--page-size", type=int, default=64, help="tokens per page (default: %(default)s)")
     tiers.add_argument("--layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
     tiers.add_argument("--write-policy", default="write_through", choices=["write_through", "write_through_selective", "write_back"])
-    tiers.add_argument("--stop-policy", default="best_effort", choices=["best_effort", "wait_complete", "timeout"])
+    tiers.add_argument(
+        "--stop-policy",
+        default="timeout",
+        choices=["best_effort", "wait_complete", "timeout"],
+        help="when a request stops waiting for its prefetch (default: %(default)s, the engine's; docs/benchmarks.md compares them)",
+    )
     tiers.add_argument("--prefetch-threshold", type=int, default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
     compute = bench.add_argument_group("compute")
     compute.add_argument("--model", default="modeled", choices=["modeled", "reference"], help="modeled cost, or the real tiny model (default: %(default)s)")

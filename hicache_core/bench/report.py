@@ -32,8 +32,8 @@ def overall_table(result: dict[str, Any]) -> str:
                 o["device_tokens"],
                 o["host_tokens"],
                 o["storage_tokens"],
-                human_bytes(run["storage_bytes_written"]) if run["storage_bytes_written"] else "0",
-                human_bytes(run["storage_bytes_read"]) if run["storage_bytes_read"] else "0",
+                _mib(run["storage_bytes_written"]),
+                _mib(run["storage_bytes_read"]),
             )
         )
     return markdown_table(
@@ -144,3 +144,8 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str = "bench") ->
     else:
         written[1].write_text(render_stop_policies(result))
     return written
+
+
+def _mib(volume: int) -> str:
+    """A volume moved, in whole MiB (``human_bytes`` names exact sizes: 12.4 GB read came out in KiB)."""
+    return f"{volume / 2**20:,.0f} MiB" if volume else "0"
