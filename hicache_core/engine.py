@@ -42,10 +42,10 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.spec import open_store, store_spec
 
+from hicache_core.admission import Admission
 from hicache_core.controller import CacheController
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
-from hicache_core.prefetch import PrefetchState
 from hicache_core.radix_tree import RadixTree
 from hicache_core.requests import CacheTiers, EngineCapacityError, EngineConfig, HybridPools, Live, Request, RequestResult
 from hicache_core.runner import make_runner
@@ -89,8 +89,8 @@ class Engine:
             config.controller, self.tree, self.device_pool, self.host_pool, metrics=self.metrics, tp=self.tp
         )
         self.sessions = SessionTable(self.tree)
-        self._waiting: list[Live] = []
         self._running: list[Live] = []
+        self.admission = Admission(config, self.tree, self.controller, self._running)
         self._prefilled: set[int] = set()
         self._done: dict[str, RequestResult] = {}
         #: Session id -> the sequence its last finished request reached (see ``_sequence_for``).
@@ -137,14 +137,14 @@ class Engine:
         device pool; any other request is served, however long it has to wait for memory.
         """
         request.check()
-        self._check_fits(request)
+        self.admission.check_fits(request)
         self.runner.check_fits(request)
         live = Live(request, RequestResult(request.rid, len(request.tokens)), time.perf_counter(), self._sequence_for(request))
         if request.session_id is not None:
             live.session = self.sessions.ticket(request.session_id)
         if self.config.tiers is not CacheTiers.OFF:
-            self._plan_prefetch(live)
-        self._waiting.append(live)
+            self.admission.plan_prefetch(live)
+        self.admission.waiting.append(live)
 
     def close_session(self, session_id: str) -> bool:
         """End a session: its cached prefixes become ordinary LRU data (nothing is deleted), and
@@ -159,12 +159,12 @@ class Engine:
         return done
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self.admission.waiting or self._running)
 
     def step(self) -> None:
         """One scheduling round: apply finished I/O, admit ready requests (prefill), decode one token each."""
         self.controller.poll()
-        admitted = self._admit()
+        admitted = self.admission.admit(self._start, self._started)
         decoded = False
         for live in list(self._running):
             if id(live) in self._prefilled:
@@ -234,113 +234,6 @@ class Engine:
         while len(self._session_sequences) > limit:
             self._session_sequences.popitem(last=False)
 
-    def _matchable(self, live: Live) -> TokenSequence:
-        """The prompt minus its last token: that one is always computed, to produce logits."""
-        return live.sequence.prefix(len(live.request.tokens) - 1)
-
-    def _plan_prefetch(self, live: Live) -> None:
-        """Match and plan the storage prefetch of the rest. The matched prefix stays locked until
-        the prefetch is finished, so the fetched pages have something to hang from (waiting
-        requests' pins are released if the head of the queue needs the memory: _unpin_waiting)."""
-        request = live.request
-        matchable = self._matchable(live)
-        match = self.tree.match_prefix(matchable, count_host=not self.config.controller.buffer_only)
-        live.planned_match = match.matched_length
-        prefetcher = self.controller.prefetcher
-        if prefetcher is None:
-            return
-        live.prefetch = prefetcher.plan(request.rid, matchable, match)
-        if live.prefetch is not None:
-            live.pinned = match.host_node
-            self.tree.lock(live.pinned)
-            prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
-
-    def _admit(self) -> bool:
-        admitted = False
-        for live in list(self._waiting):
-            if len(self._running) >= self.config.max_running:
-                break
-            op = live.prefetch
-            if op is not None:
-                prefetcher = self.controller.prefetcher
-                assert prefetcher is not None
-                if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
-                    if prefetcher.pages_in_flight or self.controller.io_pending or self._running:
-                        continue  # host pages come back as those reads, backups and requests end
-                    # Nothing in flight will give host pages back (a hung store may hold some for
-                    # good): compute rather than wait for a prefetch that cannot start.
-                elif not prefetcher.ready(op):
-                    continue
-                live.prefetch = None
-                live.storage_tokens = prefetcher.finish(op) or 0
-                self._unpin(live)
-                if live.storage_tokens:
-                    # Hold what was fetched until the request starts: waiting for device memory,
-                    # it would otherwise lose the pages to other requests' host allocations.
-                    live.pinned = self.tree.match_prefix(self._matchable(live)).host_node
-                    self.tree.lock(live.pinned)
-            if not live.refetched and self._prefix_lost(live):
-                # Part of its cached prefix was evicted while it waited: fetch it back, once.
-                live.refetched = True
-                self._plan_prefetch(live)
-                if live.prefetch is not None:
-                    continue
-            if self._start(live):
-                self._waiting.remove(live)
-                self._running.append(live)
-                admitted = True
-                if len(live.result.output_ids) >= live.request.max_new_tokens:
-                    self._finish(live)
-                else:
-                    self._prefilled.add(id(live))
-                continue
-            if not self._running and not self.controller.io_pending and not self._unpin_waiting():
-                # Nothing holds device memory any more (no request runs, no copy is in flight, no
-                # waiting request pins a prefix), so everything is evictable: _check_fits at
-                # submit makes this unreachable unless the tree leaks a lock.
-                raise EngineCapacityError(
-                    f"request {live.request.rid!r} cannot get device memory although nothing else holds any "
-                    f"({self.config.device_pages} pages of {self.config.page_size}): this is a bug, please report it"
-                )
-            break
-        return admitted
-
-    def _check_fits(self, request: Request) -> None:
-        ps = self.config.page_size
-        pages = -(-(len(request.tokens) + request.max_new_tokens - 1) // ps)
-        if pages > self.config.device_pages:
-            raise EngineCapacityError(
-                f"request {request.rid!r} needs {pages} device pages ({len(request.tokens)} prompt + "
-                f"{request.max_new_tokens} new tokens, {ps} per page) but the device pool has "
-                f"{self.config.device_pages}; raise device_pages or shorten the request"
-            )
-
-    def _unpin_waiting(self) -> bool:
-        """Release the prefixes waiting requests pinned (prefetches, fetched pages); whether any was held.
-
-        Called when the head of the queue cannot start and nothing else could free memory: the
-        pins are what stands between it and the memory it needs. A request unpinned here may plan
-        a refetch again later (its prefetched pages are dropped if the prefix goes meanwhile).
-        """
-        released = False
-        for live in self._waiting:
-            if live.pinned is not None:
-                self._unpin(live)
-                live.refetched = False
-                released = True
-        return released
-
-    def _unpin(self, live: Live) -> None:
-        if live.pinned is not None:
-            self.tree.unlock(live.pinned)
-            live.pinned = None
-
-    def _prefix_lost(self, live: Live) -> bool:
-        if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
-            return False
-        match = self.tree.match_prefix(self._matchable(live), count_host=not self.config.controller.buffer_only)
-        return match.matched_length < live.planned_match
-
     def _start(self, live: Live) -> bool:
         """Place the request's KV (cached prefix + new slots) and prefill; False if device memory is short."""
         request, result = live.request, live.result
@@ -350,7 +243,7 @@ class Engine:
         node = self.tree.root  # resuming at the root needs no lock (it is never evicted)
         if self.config.tiers is not CacheTiers.OFF:
             count_host = not self.config.controller.buffer_only or inserted > 0
-            match = self.tree.match_prefix(self._matchable(live), count_host=count_host)
+            match = self.tree.match_prefix(self.admission.matchable(live), count_host=count_host)
             resume = self.tree.resume_point(match.host_node, on_device=False)
             node, load = self.controller.load_back(match, resume)
             device_hit, matched = match.device_hit_length, match.matched_length
@@ -369,7 +262,7 @@ class Engine:
             self.tree.unlock(live.node)
             live.node = None
             return False
-        self._unpin(live)  # its prefix is locked as live.node now
+        self.admission.unpin(live)  # its prefix is locked as live.node now
         device_hit = min(device_hit, live.prefix_len)
         loaded = live.prefix_len - device_hit
         result.cached_device = device_hit
@@ -388,6 +281,12 @@ class Engine:
         result.ttft_s = time.perf_counter() - live.submitted
         self.controller.release_staged_loads()
         return True
+
+    def _started(self, live: Live) -> None:
+        if len(live.result.output_ids) >= live.request.max_new_tokens:
+            self._finish(live)
+        else:
+            self._prefilled.add(id(live))
 
     def _decode(self, live: Live) -> None:
         length = len(live.request.tokens) + len(live.result.output_ids)

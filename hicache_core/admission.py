@@ -1,0 +1,141 @@
+"""Admission: waiting requests, their prefix match and prefetch, and when each may start.
+
+A submitted request is matched against the tree and, when storage holds enough of the rest, gets
+a prefetch (:mod:`hicache_core.prefetch`); the prefix its prefetch hangs from stays locked
+while it waits (a *pin*). :meth:`Admission.admit` starts waiting requests in order: one whose
+prefetch is not ready by the stop policy is skipped, not waited for; one whose cached prefix
+was evicted while it waited fetches it back once; the head of the queue that cannot get device
+memory stops admission until running requests, copies or waiting requests' pins give it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hicache_core.controller import CacheController
+from hicache_core.prefetch import PrefetchState
+from hicache_core.radix_tree import RadixTree
+from hicache_core.requests import CacheTiers, EngineCapacityError, EngineConfig, Live, Request
+from hicache_core.token_sequence import TokenSequence
+
+
+class Admission:
+    """The waiting queue of an engine; ``running`` is the engine's list of running requests."""
+
+    def __init__(self, config: EngineConfig, tree: RadixTree, controller: CacheController, running: list[Live]) -> None:
+        self.config = config
+        self.tree = tree
+        self.controller = controller
+        self.running = running
+        self.waiting: list[Live] = []
+
+    def matchable(self, live: Live) -> TokenSequence:
+        """The prompt minus its last token: that one is always computed, to produce logits."""
+        return live.sequence.prefix(len(live.request.tokens) - 1)
+
+    def plan_prefetch(self, live: Live) -> None:
+        """Match and plan the storage prefetch of the rest. The matched prefix stays locked until
+        the prefetch is finished, so the fetched pages have something to hang from (waiting
+        requests' pins are released if the head of the queue needs the memory: unpin_waiting)."""
+        request = live.request
+        matchable = self.matchable(live)
+        match = self.tree.match_prefix(matchable, count_host=not self.config.controller.buffer_only)
+        live.planned_match = match.matched_length
+        prefetcher = self.controller.prefetcher
+        if prefetcher is None:
+            return
+        live.prefetch = prefetcher.plan(request.rid, matchable, match)
+        if live.prefetch is not None:
+            live.pinned = match.host_node
+            self.tree.lock(live.pinned)
+            prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
+
+    def admit(self, start: Callable[[Live], bool], started: Callable[[Live], None]) -> bool:
+        """Start waiting requests in order while fewer than ``max_running`` run: each whose
+        prefetch is ready by the stop policy (or has none) and for which ``start`` finds device
+        memory (``started`` runs right after, before the next is considered); whether any started.
+
+        Raises :class:`EngineCapacityError` if the head of the queue cannot start although
+        nothing holds device memory (a leaked lock).
+        """
+        admitted = False
+        for live in list(self.waiting):
+            if len(self.running) >= self.config.max_running:
+                break
+            op = live.prefetch
+            if op is not None:
+                prefetcher = self.controller.prefetcher
+                assert prefetcher is not None
+                if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
+                    if prefetcher.pages_in_flight or self.controller.io_pending or self.running:
+                        continue  # host pages come back as those reads, backups and requests end
+                    # Nothing in flight will give host pages back (a hung store may hold some for
+                    # good): compute rather than wait for a prefetch that cannot start.
+                elif not prefetcher.ready(op):
+                    continue
+                live.prefetch = None
+                live.storage_tokens = prefetcher.finish(op) or 0
+                self.unpin(live)
+                if live.storage_tokens:
+                    # Hold what was fetched until the request starts: waiting for device memory,
+                    # it would otherwise lose the pages to other requests' host allocations.
+                    live.pinned = self.tree.match_prefix(self.matchable(live)).host_node
+                    self.tree.lock(live.pinned)
+            if not live.refetched and self.prefix_lost(live):
+                # Part of its cached prefix was evicted while it waited: fetch it back, once.
+                live.refetched = True
+                self.plan_prefetch(live)
+                if live.prefetch is not None:
+                    continue
+            if start(live):
+                self.waiting.remove(live)
+                self.running.append(live)
+                admitted = True
+                started(live)
+                continue
+            if not self.running and not self.controller.io_pending and not self.unpin_waiting():
+                # Nothing holds device memory any more (no request runs, no copy is in flight, no
+                # waiting request pins a prefix), so everything is evictable: check_fits at
+                # submit makes this unreachable unless the tree leaks a lock.
+                raise EngineCapacityError(
+                    f"request {live.request.rid!r} cannot get device memory although nothing else holds any "
+                    f"({self.config.device_pages} pages of {self.config.page_size}): this is a bug, please report it"
+                )
+            break
+        return admitted
+
+    def check_fits(self, request: Request) -> None:
+        ps = self.config.page_size
+        pages = -(-(len(request.tokens) + request.max_new_tokens - 1) // ps)
+        if pages > self.config.device_pages:
+            raise EngineCapacityError(
+                f"request {request.rid!r} needs {pages} device pages ({len(request.tokens)} prompt + "
+                f"{request.max_new_tokens} new tokens, {ps} per page) but the device pool has "
+                f"{self.config.device_pages}; raise device_pages or shorten the request"
+            )
+
+    def unpin_waiting(self) -> bool:
+        """Release the prefixes waiting requests pinned (prefetches, fetched pages); whether any was held.
+
+        Called when the head of the queue cannot start and nothing else could free memory: the
+        pins are what stands between it and the memory it needs. A request unpinned here may plan
+        a refetch again later (its prefetched pages are dropped if the prefix goes meanwhile).
+        """
+        released = False
+        for live in self.waiting:
+            if live.pinned is not None:
+                self.unpin(live)
+                live.refetched = False
+                released = True
+        return released
+
+    def unpin(self, live: Live) -> None:
+        if live.pinned is not None:
+            self.tree.unlock(live.pinned)
+            live.pinned = None
+
+    def prefix_lost(self, live: Live) -> bool:
+        if self.controller.storage is None or self.config.tiers is CacheTiers.OFF:
+            return False
+        match = self.tree.match_prefix(self.matchable(live), count_host=not self.config.controller.buffer_only)
+        return match.matched_length < live.planned_match
