@@ -555,18 +555,35 @@ def test_alloc_tombstones_the_least_recently_used_holder_first():
     cache.check()
 
 
-def test_alloc_never_tombstones_a_locked_node():
+def test_device_alloc_never_tombstones_a_window_being_read_but_may_take_a_locked_node_outside_it():
+    """A running request locks its whole path but reads only the window before its resume point:
+    SWA KV elsewhere on the path is never read again while it runs, so it may go."""
     cache = Cache(window=PAGE, swa_pages=3)
     old, middle, new = three_branches(cache)
-    cache.tree.lock(old)
+    assert cache.swa.read(old) == [old]
+    cache.tree.lock(middle)
     slots = cache.swa.alloc(2 * PAGE, device=True)
     assert slots is not None
     assert cache.swa.present(old, True) and not cache.swa.present(middle, True) and not cache.swa.present(new, True)
-    assert cache.swa.alloc(PAGE, device=True) is None, "only locked state is left: nothing is taken"
-    assert cache.swa.present(old, True)
-    cache.tree.unlock(old)
-    cache.swa.device_allocator.free(slots)
+    assert cache.swa.alloc(PAGE, device=True) is None, "only the window being read is left: nothing is taken"
+    cache.swa.unread(old)
+    more = cache.swa.alloc(PAGE, device=True)
+    assert more is not None and not cache.swa.present(old, True)
+    cache.tree.unlock(middle)
+    cache.swa.device_allocator.free(torch.cat([slots, more]))
     cache.check()
+
+
+def test_checkpoint_alloc_never_tombstones_a_locked_node():
+    cache = Cache(checkpoints=2)
+    first, second = cache.insert(seq(8, 100)), cache.insert(seq(8, 200))
+    for node in (first, second):
+        cache.mamba.set(node, cache.mamba.alloc(1, device=True), device=True)
+    cache.tree.lock(first)
+    assert cache.mamba.alloc(1, device=True) is not None
+    assert cache.mamba.present(first, True) and not cache.mamba.present(second, True)
+    assert cache.mamba.alloc(1, device=True) is None, "only a locked checkpoint is left"
+    cache.tree.unlock(first)
 
 
 def test_alloc_on_the_host_never_tombstones_a_node_with_host_io_or_a_lock():

@@ -373,13 +373,50 @@ def test_a_store_failing_permanently_is_given_up_and_outputs_stay_exact(uncached
     assert counters["storage_disabled"] == 1 and counters["storage_backup_pages"] == 0
 
 
-def test_a_request_larger_than_the_device_pools_is_refused_without_leaking() -> None:
-    with Engine(config(CacheTiers.L1_L2, device_pages=64, swa_device_pages=4)) as engine:
+def test_an_swa_pool_smaller_than_one_requests_windows_is_refused_naming_the_field() -> None:
+    with Engine(config(CacheTiers.L1_L2, device_pages=64, swa_device_pages=5)) as engine:
         free = engine.device_pool.allocator.free_pages
         with pytest.raises(EngineCapacityError, match="swa_device_pages"):
-            engine.serve([Request("big", SHARED, NEW_TOKENS)])
+            engine.serve([Request("small", SHARED[:16], NEW_TOKENS)])
         assert engine.device_pool.allocator.free_pages == free
-        engine.serve([Request("small", SHARED[:16], NEW_TOKENS)])  # the engine still serves
+
+
+# --- SWA memory as SWA saves it ---------------------------------------------------------------
+
+WINDOW_PAGES = -(-(4 * MODEL.window + PAGE) // PAGE)  # 4 x window + a page, per running request
+LONG = make_conversations(2, 2, 240, MODEL.vocab_size, seed=17)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tiers", [CacheTiers.L1, CacheTiers.L1_L2_L3])
+def test_an_swa_pool_of_a_few_windows_per_request_serves_prompts_as_long_as_the_full_pool_allows(shape, tiers, tmp_path) -> None:
+    """A running request holds SWA KV only for the window its next chunk reads (and the windows
+    the cache keeps), so an SWA device pool of 4 x window + a page per running request serves
+    prompts of 484 tokens with a FULL pool of 512, outputs bit-identical to no cache."""
+
+    def serve(engine: Engine) -> list[RequestResult]:
+        histories: list[list[int]] = [[] for _ in LONG]
+        results = []
+        for r in range(2):
+            for c, turns in enumerate(LONG):
+                (result,) = engine.serve([Request(f"c{c}-r{r}", histories[c] + turns[r], NEW_TOKENS)])
+                histories[c] = histories[c] + turns[r] + result.output_ids
+                results.append(result)
+            if tiers.storage:
+                engine.flush_cache()
+        return results
+
+    model = SHAPES[shape]
+    with Engine(config(CacheTiers.OFF, model=model, device_pages=64, swa_device_pages=64)) as plain:
+        expected = serve(plain)
+    cfg = config(tiers, str(tmp_path), model=model, device_pages=64, host_pages=128, swa_device_pages=WINDOW_PAGES, max_running=1)
+    with Engine(cfg) as engine:
+        got = serve(engine)
+    assert max(r.prompt_tokens for r in got) == 2 * 240 + NEW_TOKENS
+    assert_same_outputs(expected, got)
+    later = [r.cached_tokens for r in got[len(LONG) :]]
+    # L1 alone holds one long conversation at a time; L3 restores both after each flush.
+    assert (min(later) if tiers.storage else max(later)) >= 240, [r.cached_tokens for r in got]
 
 
 def test_sessions_keep_their_prefixes_cached_under_pressure_better_than_lru() -> None:

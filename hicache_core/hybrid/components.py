@@ -209,7 +209,7 @@ class PooledComponent:
         assert allocator is not None
         referenced = self.tree.settle_recency()
         candidates = sorted(
-            (n for n in self._holders(device) if n.lock_ref == 0 and (device or n.host_ref == 0)),
+            (n for n in self._holders(device) if self._evictable(n, device)),
             key=lambda n: (n in referenced, n.last_access, n.id),
         )
         freed = 0
@@ -220,6 +220,11 @@ class PooledComponent:
                 self.back_up(node)
             freed += self.drop(node, device)
         return freed
+
+    def _evictable(self, node: TreeNode, device: bool) -> bool:
+        """Whether ``node``'s state on a tier may be dropped: never from a locked node (a running
+        request's path), nor from the host while I/O is in flight."""
+        return node.lock_ref == 0 and (device or node.host_ref == 0)
 
     def _holders(self, device: bool) -> Iterator[TreeNode]:
         assert self.tree is not None
@@ -296,6 +301,10 @@ class SlidingWindow(PooledComponent):
     ) -> None:
         super().__init__(device_allocator, host_allocator, memory)
         self.context_tokens = context_tokens
+        #: Running requests reading each node's device SWA KV (the window before their resume
+        #: point): only those nodes keep it. Other nodes on a running request's (locked) path may
+        #: lose it, as sliding-window layers never read it again while the request runs.
+        self._readers: dict[TreeNode, int] = {}
 
     @classmethod
     def on(cls, memory: KVMemory, context_tokens: int) -> SlidingWindow:
@@ -325,20 +334,47 @@ class SlidingWindow(PooledComponent):
         if unused:
             self.free_host(torch.cat(unused))
 
+    def read(self, node: TreeNode) -> list[TreeNode]:
+        """Mark the window before ``node.end`` as read by a running request (``unread`` ends it):
+        its device SWA KV stays. The window is cut to start a node; returns its nodes."""
+        assert self.tree is not None
+        page_size = self.device_allocator.page_size
+        self.tree.boundary(node, max(0, node.end - self.context_tokens) // page_size * page_size)
+        window = self.window(node)
+        for n in window:
+            self._readers[n] = self._readers.get(n, 0) + 1
+        return window
+
     def materialize(self, node: TreeNode) -> bool:
+        """Bring the window before ``node.end`` to the device and ``read`` it; False (nothing
+        read) if device memory is short or part of it is nowhere."""
         assert self.memory is not None
-        for n in self.window(node):
+        window = self.read(node)
+        for n in window:
             if self.present(n, device=True):
                 continue
             host_slots = self.slots(n, device=False)
-            device_slots = self.alloc(len(n.key), device=True)
+            device_slots = self.alloc(len(n.key), device=True) if host_slots is not None else None
             if device_slots is None or host_slots is None:
-                if device_slots is not None:
-                    self.device_allocator.free(device_slots)
+                self.unread(node)
                 return False
             self.memory.to_device(device_slots, host_slots)
             self.set(n, device_slots, device=True)
         return True
+
+    def unread(self, node: TreeNode) -> None:
+        """A request resuming at ``node`` no longer reads the window before it."""
+        for n in self.window(node):
+            left = self._readers[n] - 1
+            if left:
+                self._readers[n] = left
+            else:
+                del self._readers[n]
+
+    def _evictable(self, node: TreeNode, device: bool) -> bool:
+        if device:
+            return node not in self._readers
+        return super()._evictable(node, device)
 
     def device_window(self, node: TreeNode, first: int) -> torch.Tensor:
         """Device slots of positions ``[first, node.end)`` (every node covering them holds them)."""
@@ -348,6 +384,8 @@ class SlidingWindow(PooledComponent):
         return slots[slots.numel() - (node.end - first) :]
 
     def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
+        if lower in self._readers:
+            self._readers[upper] = self._readers[lower]
         copies = self.copies(lower)
         if copies is None:
             return
@@ -360,22 +398,6 @@ class SlidingWindow(PooledComponent):
 
     def accepts(self, node: TreeNode, on_device: bool) -> bool:
         return all(self.present(n, on_device) for n in self.window(node))
-
-    def insert(self, path: list[TreeNode], start: int, slots: torch.Tensor) -> list[torch.Tensor]:
-        """Give each node of ``path`` from position ``start`` on its tokens' part of ``slots``
-        (device SWA slots of positions ``start, start + 1, ...``) where it holds none on the
-        device; returns the parts not taken, for the caller to free."""
-        unused = []
-        for node in path:
-            begin = node.end - len(node.key)
-            if begin < start:
-                continue
-            part = slots[begin - start : node.end - start]
-            if self.present(node, device=True):
-                unused.append(part)
-            else:
-                self.set(node, part, device=True)
-        return unused
 
     def window(self, node: TreeNode) -> list[TreeNode]:
         """The nodes holding the ``context_tokens`` tokens before ``node.end``, top down."""

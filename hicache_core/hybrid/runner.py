@@ -12,12 +12,17 @@ Per request:
    SWA KV is brought to the device, and the checkpoint at the boundary is **copied** into the
    request's private state (the model mutates it). If SWA device memory is short, the request
    resumes at the deepest boundary already on the device instead.
-2. ``forward``: the model waits for each full-attention layer's load before computing it. It
-   snapshots the recurrent state where a later request may resume: the end of what the tree
-   held (a branch point), the last whole page of the prompt, and the end of the request's pages.
-3. ``cache``: after the engine inserted the FULL KV, each node of the request's pages gets its
-   SWA slots, and each snapshot becomes the device checkpoint of the node ending there. The
-   controller then backs every pool up by the write policy (and backfills checkpoints).
+2. ``forward``: the prompt is prefilled in chunks of about a window, and the request holds SWA
+   KV only for the pages its next chunk's window reads plus the windows the cache will keep
+   (:mod:`.request_window`): its SWA memory is a few windows whatever its length, reserved when
+   it starts. The model waits for each full-attention layer's load before computing it. It
+   snapshots the recurrent state where a later request may resume (its *boundaries*): the end of
+   what the tree held (a branch point), the last whole page of the prompt, and the end of the
+   request's pages.
+3. ``cache``: after the engine inserted the FULL KV, the window before each boundary becomes
+   the SWA KV of the nodes holding it (other nodes of the request are tombstones), and each
+   snapshot becomes the device checkpoint of the node ending there. The controller then backs
+   every pool up by the write policy (and backfills checkpoints).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from hicache_core.controller import WritePolicy
 from hicache_core.hybrid.components import KVMemory, RecurrentState, SlidingWindow, StateMemory, attach
 from hicache_core.hybrid.model import FULL, HybridDecoder, HybridModelConfig
+from hicache_core.hybrid.request_window import RequestWindow
 from hicache_core.model import TinyDecoder
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree, TreeNode
@@ -41,13 +47,13 @@ from hicache_core.transfer import LayerLoad
 class _RequestState:
     """A request's private hybrid state while it runs."""
 
-    #: Device SWA slots of positions ``[swa_base, ...)``: the window before the resume point, then its own.
-    swa_slots: torch.Tensor
-    swa_base: int
-    #: Own SWA slots (the tail of ``swa_slots``), positions from the resume point on.
-    own_swa: torch.Tensor
+    #: Where it resumed: it reads the window before it (``SlidingWindow.unread`` when done).
+    resume: TreeNode
+    #: Device SWA slots of positions ``[window_base, resume.end)`` (the tree's).
+    window: torch.Tensor
+    window_base: int
+    own: RequestWindow
     state: torch.Tensor
-    wanted: set[int]
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -103,12 +109,21 @@ class HybridRunner:
 
     def check_fits(self, request: Request) -> None:
         ps = self.config.page_size
-        pages = -(-(len(request.tokens) + request.max_new_tokens - 1) // ps)
+        prompt, total = len(request.tokens), len(request.tokens) + request.max_new_tokens - 1
+        own = self._request_window(0, prompt, total, (prompt - 1) // ps * ps).peak()
+        window_pages = -(-self.window.context_tokens // ps) + 1  # the window before a resume point, a node cut
+        pages = own + window_pages
         if pages > self.swa.device.num_pages:
             raise EngineCapacityError(
-                f"request {request.rid!r} needs {pages} pages of SWA KV on the device but the SWA device pool has "
-                f"{self.swa.device.num_pages}; raise EngineConfig.hybrid.swa_device_pages or shorten the request"
+                f"request {request.rid!r} needs {pages} pages of SWA KV on the device at once ({own} of its own, "
+                f"{window_pages} read before its resume point) but the SWA device pool has {self.swa.device.num_pages}; "
+                "raise EngineConfig.hybrid.swa_device_pages"
             )
+
+    def _request_window(self, start: int, prompt: int, total: int, *boundaries: int) -> RequestWindow:
+        ps, context = self.config.page_size, self.window.context_tokens
+        chunk = max(ps, context // ps * ps)
+        return RequestWindow(ps, context, chunk, start, prompt, total, {*boundaries, total // ps * ps})
 
     def begin(self, live: Live, node: TreeNode, load: LayerLoad | None, matched: int) -> TreeNode:
         assert self.model is not None
@@ -119,72 +134,93 @@ class HybridRunner:
             self.tree.lock(fallback)
             self.tree.unlock(node)
             node = fallback
+            assert self.window.materialize(node), "a boundary accepted on the device has its window there"
         m, ps = self.model_config, self.config.page_size
         request = live.request
-        total = len(request.tokens) + request.max_new_tokens - 1  # positions that get KV
-        prompt_end = (len(request.tokens) - 1) // ps * ps
+        prompt, total = len(request.tokens), len(request.tokens) + request.max_new_tokens - 1
         base = m.swa_first(node.end)
-        window = self.window.device_window(node, base)
-        state, wanted = self.model.new_state(), set()
+        # Where a later request may resume: the branch point (the end of what the tree held), the
+        # last whole page of the prompt (the same prompt sent again), the end of the request's pages.
+        own = self._request_window(node.end, prompt, total, matched, (prompt - 1) // ps * ps)
+        state = self.model.new_state()
         if self.checkpoints is not None:
             state = self.checkpoints.state_at(node, state)
-            wanted = {p for p in (matched, prompt_end, total // ps * ps) if p > node.end}
-        live.model_state = _RequestState(window, base, window[:0], state, wanted)
+        live.model_state = _RequestState(node, self.window.device_window(node, base), base, own, state)
         return node
 
     def reserve(self, live: Live, tokens: int) -> bool:
-        state: _RequestState = live.model_state
-        own = self.window.alloc(tokens, device=True)
-        if own is None:
+        request: _RequestState = live.model_state
+        ps, own = self.config.page_size, request.own
+        slots = self.window.alloc(own.peak() * ps, device=True)
+        if slots is None and len(own.boundaries) > 2:
+            # Short of SWA memory: keep no window at the branch point rather than wait.
+            own = request.own = self._request_window(own.start, own.prompt, own.total, (own.prompt - 1) // ps * ps)
+            slots = self.window.alloc(own.peak() * ps, device=True)
+        if slots is None:
             return False
-        state.own_swa = own
-        state.swa_slots = torch.cat([state.swa_slots, own])
+        own.give(slots)
         return True
 
     def forward(self, live: Live, tokens: Sequence[int], length: int, load: LayerLoad | None, prefill: bool) -> int:
         assert self.model is not None
-        m, state = self.model_config, live.model_state
-        position = length - len(tokens)
+        m, request = self.model_config, live.model_state
+        own: RequestWindow = request.own
         full_slots = live.context(length)
-        swa = state.swa_slots[m.swa_first(position) - state.swa_base : length - state.swa_base]
-        ids = torch.tensor(list(tokens), dtype=torch.int64)
+        position = length - len(tokens)
 
         def wait_layer(layer: int) -> None:
             if load is not None and m.layer_kinds[layer] == FULL:
                 load.wait(m.pool_layer(layer))
 
-        logits, taken = self.model.forward(
-            ids, position, self.full_kv, full_slots, self.swa.device.kv, swa, state.state,
-            [p for p in state.wanted if position < p <= length], wait_layer,
-        )
-        state.snapshots |= taken
+        for begin, end in own.chunks():
+            if not position <= begin < length:
+                continue
+            ids = torch.tensor(list(tokens[begin - position : end - position]), dtype=torch.int64)
+            swa = own.slots(begin, end, request.window, request.window_base)
+            logits, taken = self.model.forward(
+                ids, begin, self.full_kv, full_slots[:end], self.swa.device.kv, swa, request.state,
+                [p for p in request.own.boundaries if begin < p <= end] if self.checkpoints is not None else [], wait_layer,
+            )
+            request.snapshots |= taken
+            if self.draft_model is not None:
+                if load is not None:
+                    load.wait(m.full_layers)  # the draft model's layer of the FULL pool
+                draft = self.draft_model.forward(ids, self.draft_kv, full_slots[begin:end], full_slots[:end])
+            own.advance(end)
         if self.draft_model is not None:
-            if load is not None:
-                load.wait(m.full_layers)  # the draft model's layer of the FULL pool
-            draft = self.draft_model.forward(ids, self.draft_kv, full_slots[position:], full_slots)
             live.result.draft_ids.append(int(draft[-1].argmax()))
         last = logits[-1].cpu()
         live.logits.append(last)
         return int(last.argmax())
 
     def cache(self, live: Live, last: TreeNode, cached: int) -> None:
-        state: _RequestState = live.model_state
-        start = live.prefix_len
+        request: _RequestState = live.model_state
+        own, ps = request.own, self.config.page_size
         self.tree.lock(last)  # nothing on the path may be evicted while the pools are filled in
-        unused = self.window.insert(self.tree.path(last), start, state.own_swa)
-        if state.own_swa.numel() > cached - start:
-            unused.append(state.own_swa[max(cached - start, 0) :])
-        if unused:
-            self.swa.device_allocator.free(torch.cat(unused))
+        for boundary in sorted(own.boundaries):
+            if boundary <= cached:  # kept windows start and end nodes
+                self.tree.boundary(last, boundary)
+                window_start = max(own.start, boundary - own.context) // ps * ps
+                if window_start > own.start:
+                    self.tree.boundary(last, window_start)
+        for node in self.tree.path(last):
+            begin = node.end - len(node.key)
+            if begin >= own.start and not self.window.present(node, device=True):
+                slots = own.take(begin, node.end)
+                if slots is not None:
+                    self.window.set(node, slots, device=True)
         if self.checkpoints is not None:
-            self.checkpoints.insert(last, state.snapshots, self.states.device)
+            self.checkpoints.insert(last, request.snapshots, self.states.device)
         self.tree.unlock(last)
-        live.model_state = None
+        self.release(live)
 
     def release(self, live: Live) -> None:
-        state: _RequestState | None = live.model_state
-        if state is not None and state.own_swa.numel():
-            self.swa.device_allocator.free(state.own_swa)
+        request: _RequestState | None = live.model_state
+        if request is not None:
+            leftover = request.own.leftover()
+            if leftover.numel():
+                self.swa.device_allocator.free(leftover)
+            self.window.unread(request.resume)
         live.model_state = None
 
     def close(self) -> None:
