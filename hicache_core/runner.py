@@ -132,9 +132,14 @@ class DenseRunner:
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:
-    """The runner for ``config.model``: dense for a ModelConfig, hybrid for a HybridModelConfig."""
+    """The runner for ``config.model``: dense for a ModelConfig, hybrid for a HybridModelConfig
+    (its cost instead of its forward pass when ``config.compute`` is set)."""
     if isinstance(config.model, ModelConfig):
         return DenseRunner(config)
+    if config.compute is not None:
+        from hicache_core.hybrid.modeled import ModeledHybridRunner
+
+        return ModeledHybridRunner(config)
     from hicache_core.hybrid.runner import HybridRunner
 
     return HybridRunner(config)

@@ -97,11 +97,15 @@ class HybridRunner:
             self.components += (self.checkpoints,)
         for component in self.components:
             component.write_back = host is not None and c.controller.write_policy is WritePolicy.WRITE_BACK
-        self.model = HybridDecoder(m, device.device)
-        self.draft_model = TinyDecoder(m.draft_config(), device.device) if self.draft else None
+        self.model, self.draft_model = self._models(device.device)
         self.full_kv = device.kv[:, : m.full_layers]
         self.draft_kv = device.kv[:, m.full_layers :]
         return self.components
+
+    def _models(self, device: torch.device) -> tuple[HybridDecoder, TinyDecoder | None]:
+        """The model and its draft model (a modeled runner replaces them by their cost)."""
+        m = self.model_config
+        return HybridDecoder(m, device), TinyDecoder(m.draft_config(), device) if self.draft else None
 
     def attach(self, tree: RadixTree) -> None:
         self.tree = tree
