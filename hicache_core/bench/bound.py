@@ -163,13 +163,21 @@ class Bound:
         return asdict(self)
 
 
-def bound_of(metrics: dict[str, float], wall_s: float, legs: Legs, page_bytes: int, l1_wall_s: float | None) -> Bound | None:
-    """The bound of one configuration's run from its counters; ``None`` without modeled compute."""
+def bound_of(
+    metrics: dict[str, float], wall_s: float, legs: Legs, page_bytes: int, l1_wall_s: float | None, side: dict[str, int] | None = None
+) -> Bound | None:
+    """The bound of one configuration's run from its counters; ``None`` without modeled compute.
+
+    ``side``: a hybrid model's other pools' bytes (``load``, ``backup``, ``storage_read``; the
+    engine's counters hold the FULL pool's, and its L3 writes of every pool), charged at the
+    speeds measured on the FULL pool.
+    """
     if legs.prefill_tokens_per_s is None or legs.decode_step_s is None:
         return None
+    side = side or {"load": 0, "backup": 0, "storage_read": 0}
     compute = metrics["computed_tokens"] / legs.prefill_tokens_per_s + metrics["decode_steps"] * legs.decode_step_s
-    storage = _seconds(metrics["prefetch_bytes"], legs.storage_read) + _seconds(metrics["storage_backup_bytes"], legs.storage_write)
-    copies = metrics["load_back_bytes"] / legs.load + metrics["host_backup_pages"] * page_bytes / legs.backup
+    storage = _seconds(metrics["prefetch_bytes"] + side["storage_read"], legs.storage_read) + _seconds(metrics["storage_backup_bytes"], legs.storage_write)
+    copies = (metrics["load_back_bytes"] + side["load"]) / legs.load + (metrics["host_backup_pages"] * page_bytes + side["backup"]) / legs.backup
     legs_s = {"compute": compute, "storage": storage, "copies": copies}
     limit = max(legs_s, key=legs_s.__getitem__)
     bound = legs_s[limit]

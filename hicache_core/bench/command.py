@@ -53,14 +53,32 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     )
     tiers.add_argument("--prefetch-threshold", type=int, default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
     compute = bench.add_argument_group("compute")
-    compute.add_argument("--model", default="modeled", choices=["modeled", "reference"], help="modeled cost, or the real tiny model (default: %(default)s)")
-    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: 4,000, Qwen2.5-7B on an NVIDIA L4)")
-    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: 50 ms, same GPU)")
+    compute.add_argument(
+        "--model",
+        default="modeled",
+        choices=["modeled", "reference", "hybrid-swa", "hybrid-swa-recurrent"],
+        help="modeled cost (Qwen2.5-7B's KV), the real tiny model, or a modeled hybrid: FULL + SWA (DeepSeek-V4-Flash) or "
+        "FULL + SWA + recurrent (Inkling-Small's compute on Hymba-1.5B's cache shape); docs/hybrid.md (default: %(default)s)",
+    )
+    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: the model's: 4,000, Qwen2.5-7B on an NVIDIA L4)")
+    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: the model's: 50 ms, same GPU)")
     compute.add_argument("--layers", type=int, default=None, help="modeled KV layers (default: 28, Qwen2.5-7B)")
     compute.add_argument("--kv-heads", type=int, default=None, help="modeled KV heads (default: 4)")
     compute.add_argument("--head-dim", type=int, default=None, help="modeled head dim (default: 128)")
     compute.add_argument("--dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16", "float16", "float32"], help="KV dtype (default: %(default)s)")
     bench.add_argument("--compare-stop-policies", action="store_true", help="instead: L1+L2+L3 under each stop policy, expensive and cheap recompute")
+    experiment = bench.add_argument_group("experiments (the HiCache blog's)")
+    experiment.add_argument(
+        "--experiment",
+        default="multi-turn",
+        choices=["multi-turn", "branch-backup", "prefilled-l3"],
+        help="multi-turn: the tier table (default); branch-backup: a shared prefix re-requested from L3 after its branches, "
+        "checkpoint backfill on and off (hybrid --model only); prefilled-l3: L1+L2+L3 on an empty store and on one already "
+        "holding the workload's KV",
+    )
+    experiment.add_argument("--shared-tokens", type=int, default=6400, help="branch-backup: shared prefix (default: %(default)s)")
+    experiment.add_argument("--branch-tokens", type=int, default=3600, help="branch-backup: new tokens per branch (default: %(default)s)")
+    experiment.add_argument("--branches", type=int, default=10, help="branch-backup: requests for the prefix from L3 (default: %(default)s)")
     bench.add_argument("--cheap-prefill-tokens-per-s", type=float, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
     bench.add_argument("--out", default="results", help="directory for bench.{json,md,png} (default: %(default)s)")
     bench.set_defaults(run=run_bench_command)
@@ -69,7 +87,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     # Imported here, not at the top: the CLI loads this module to build its parser for every
     # command, and the runner pulls in torch.
-    from hicache_core.bench.report import render_markdown, render_stop_policies, write_outputs
+    from hicache_core.bench.experiments import branch_backup, prefilled_l3
+    from hicache_core.bench.report import render, write_outputs
     from hicache_core.bench.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
     from hicache_core.bench.workload import Workload
     from hicache_core.controller import StopPolicy, WritePolicy
@@ -85,6 +104,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         workload = Workload(shape["clients"], shape["rounds"], shape["request_length"], args.output_length, args.max_running, not args.no_round_barrier, args.seed)
     except ValueError as exc:
         raise UsageError(f"bench: {exc}") from None
+    if args.model.startswith("hybrid-") and any(getattr(args, n) is not None for n in ("layers", "kv_heads", "head_dim")):
+        raise UsageError("bench: --layers, --kv-heads and --head-dim shape the FULL-only modeled model; a hybrid --model has its own shape (docs/hybrid.md)")
+    if args.experiment == "branch-backup" and not args.model.startswith("hybrid-"):
+        raise UsageError("bench: --experiment branch-backup needs a hybrid --model (hybrid-swa or hybrid-swa-recurrent)")
+    if args.experiment != "multi-turn" and args.compare_stop_policies:
+        raise UsageError("bench: --compare-stop-policies is a multi-turn mode; drop it or --experiment")
     modeled = {
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
         "decode_step_s": args.decode_step_ms / 1e3 if args.decode_step_ms is not None else None,
@@ -113,18 +138,27 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise UsageError(f"bench: {exc}") from None
     from tqdm import tqdm
 
-    runs = 2 * len(StopPolicy) if args.compare_stop_policies else len(tiers)
-    with tqdm(total=runs * workload.rounds, unit="round", desc="bench") as bar:
+    if args.experiment == "branch-backup":
+        try:
+            result = branch_backup(config, args.shared_tokens, args.branch_tokens, args.branches)
+        except ValueError as exc:
+            raise UsageError(f"bench: {exc}") from None
+        stem = "bench-branch-backup"
+    else:
+        runs = 2 * len(StopPolicy) if args.compare_stop_policies else 2 if args.experiment == "prefilled-l3" else len(tiers)
+        with tqdm(total=runs * workload.rounds, unit="round", desc="bench") as bar:
 
-        def progress(label: str, round_: int) -> None:
-            bar.set_postfix_str(label)
-            bar.update(1)
+            def progress(label: str, round_: int) -> None:
+                bar.set_postfix_str(label)
+                bar.update(1)
 
-        if args.compare_stop_policies:
-            result = stop_policy_comparison(config, args.cheap_prefill_tokens_per_s, progress)
-        else:
-            result = run_bench(config, progress)
-    written = write_outputs(result, Path(args.out), "bench-stop-policies" if args.compare_stop_policies else "bench")
-    print(render_stop_policies(result) if args.compare_stop_policies else render_markdown(result))
+            if args.compare_stop_policies:
+                result, stem = stop_policy_comparison(config, args.cheap_prefill_tokens_per_s, progress), "bench-stop-policies"
+            elif args.experiment == "prefilled-l3":
+                result, stem = prefilled_l3(config, progress), "bench-prefilled-l3"
+            else:
+                result, stem = run_bench(config, progress), "bench"
+    written = write_outputs(result, Path(args.out), stem)
+    print(render(result))
     print("written: " + ", ".join(str(p) for p in written))
     return 0

@@ -65,6 +65,14 @@ def bound_lines(result: dict[str, Any]) -> list[str]:
         if run.get("bound")
     ]
     lines.append(markdown_table(["tiers", "compute s", "storage s", "copies s", "bound s", "wall s", "efficiency"], rows))
+    side = [(run["tiers"], run["side_pool_bytes"]) for run in result["runs"] if run.get("side_pool_bytes")]
+    if side:
+        lines += [
+            "",
+            "Storage and copies include the SWA and checkpoint pools, timed at the FULL pool's speeds: "
+            + "; ".join(f"{tiers} loaded {_mib(b['load'])}, backed up {_mib(b['backup'])}, read from L3 {_mib(b['storage_read'])}" for tiers, b in side)
+            + ".",
+        ]
     return lines
 
 
@@ -85,9 +93,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Workload: {workload['clients']} clients x {workload['rounds']} rounds, {workload['request_length']} new tokens "
         f"+ {workload['output_length']} output tokens per round, max {workload['max_running']} running, "
         f"round barrier {'on' if workload['round_barrier'] else 'off'}, seed {workload['seed']}.",
-        f"Compute: {config['model']}"
-        + (f" ({config['prefill_tokens_per_s']:,.0f} prefill tok/s, {config['decode_step_s'] * 1e3:.0f} ms/decode step)" if config["model"] == "modeled" else "")
-        + f"; KV {human_bytes(config['kv_bytes_per_token'])}/token, page {config['page_size']} tokens, layout {config['layout']}.",
+        _compute_line(config),
         f"L1 {config['device_tokens']:,} tokens, L2 {config['host_ratio']}x L1; L3: {config['backend']}; "
         f"write policy {config['write_policy']}, prefetch stop policy {config['stop_policy']}.",
         "",
@@ -98,6 +104,109 @@ def render_markdown(result: dict[str, Any]) -> str:
     for run in result["runs"]:
         lines += ["", f"### {run['tiers']} per round", "", rounds_table(run)]
     return "\n".join(lines) + "\n"
+
+
+def _compute_line(config: dict[str, Any]) -> str:
+    modeled = config["model"] != "reference"
+    line = f"Compute: {config['model']}" + (
+        f" ({config['prefill_tokens_per_s']:,.0f} prefill tok/s, {config['decode_step_s'] * 1e3:.1f} ms/decode step)" if modeled else ""
+    )
+    hybrid = config.get("hybrid")
+    if hybrid:
+        line += (
+            f", modeled {hybrid['model']}; FULL KV {human_bytes(hybrid['full_per_token'])}/token, SWA KV "
+            f"{human_bytes(hybrid['swa_per_token'])}/token (window {hybrid['window']})"
+            + (f", recurrent checkpoint {hybrid['checkpoint'] / 1e6:.1f} MB" if hybrid["checkpoint"] else "")
+        )
+    else:
+        line += f"; KV {human_bytes(config['kv_bytes_per_token'])}/token"
+    return line + f", page {config['page_size']} tokens, layout {config['layout']}."
+
+
+def render(result: dict[str, Any]) -> str:
+    """The Markdown of any bench result: tiers, stop policies, or an experiment."""
+    if "runs" in result:
+        return render_markdown(result)
+    if "stop_policies" in result:
+        return render_stop_policies(result)
+    if "branch_backup" in result:
+        return render_branch_backup(result)
+    return render_prefilled_l3(result)
+
+
+def render_branch_backup(result: dict[str, Any]) -> str:
+    shape = result["shape"]
+    rows = [
+        (
+            "on" if r["backfill"] else "off",
+            f"{r['full_restores']}/{r['requests']}",
+            f"{r['token_hit_rate']:.2%}",
+            r["ttft_mean_ms"],
+            ", ".join(str(t) for t in r["cached_from_l3"]),
+        )
+        for r in result["branch_backup"]
+    ]
+    return (
+        "## Branch backup (L1+L2+L3, L1 and L2 emptied before each request)\n\n"
+        + _compute_line(result["config"])
+        + f"\n\nShared prefix {shape['shared']:,} tokens + {shape['new']:,} new tokens per request, {shape['branches']} requests; "
+        f"a full restore brings back all {shape['restorable']:,} whole-page prefix tokens from L3.\n\n"
+        + markdown_table(["checkpoint backfill", "full restores", "token hit rate", "TTFT mean ms", "tokens from L3 per request"], rows)
+        + "\n"
+    )
+
+
+def render_prefilled_l3(result: dict[str, Any]) -> str:
+    rows = [
+        (
+            r["run"],
+            f"{r['overall']['cache_hit_rate']:.1%}",
+            r["overall"]["input_tokens_per_s"],
+            r["overall"]["ttft_mean_ms"],
+            r["overall"]["storage_tokens"],
+            f"{r['fill_s']:.1f}" if r["fill_s"] is not None else "-",
+        )
+        for r in result["prefilled_l3"]
+    ]
+    workload = result["config"]["workload"]
+    return (
+        "## Pre-filled L3 (L1+L2+L3; fresh L1 and L2 in both runs)\n\n"
+        + _compute_line(result["config"])
+        + f"\n\nWorkload: {workload['clients']} clients x {workload['rounds']} rounds, {workload['request_length']} new tokens per round.\n\n"
+        + markdown_table(["L3", "hit rate", "input tok/s", "TTFT mean ms", "from L3", "fill s (not timed)"], rows)
+        + "\n"
+    )
+
+
+def plot_experiment(result: dict[str, Any], path: Path) -> Path:
+    """Bars of an experiment: full restores and hit rate (branch backup), or throughput and TTFT (pre-filled L3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    if "branch_backup" in result:
+        rows = result["branch_backup"]
+        labels = [f"backfill {'on' if r['backfill'] else 'off'}" for r in rows]
+        left.bar(labels, [r["full_restores"] for r in rows], color=["tab:green", "tab:gray"])
+        left.set(title="Full restores of the shared prefix", ylabel=f"of {rows[0]['requests']} requests", ylim=(0, rows[0]["requests"]))
+        right.bar(labels, [100 * r["token_hit_rate"] for r in rows], color=["tab:green", "tab:gray"])
+        right.set(title="Token hit rate", ylabel="cached / prompt tokens (%)", ylim=(0, 100))
+    else:
+        rows = result["prefilled_l3"]
+        labels = [r["run"] for r in rows]
+        left.bar(labels, [r["overall"]["input_tokens_per_s"] for r in rows], color=["tab:gray", "tab:green"])
+        left.set(title="Input throughput", ylabel="tokens/s")
+        right.bar(labels, [r["overall"]["ttft_mean_ms"] for r in rows], color=["tab:gray", "tab:green"])
+        right.set(title="Mean TTFT", ylabel="ms")
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def render_stop_policies(result: dict[str, Any]) -> str:
@@ -138,11 +247,11 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str = "bench") ->
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     written[0].write_text(json.dumps(result, indent=2))
+    written[1].write_text(render(result))
     if "runs" in result:
-        written[1].write_text(render_markdown(result))
         written.append(plot(result, out_dir / f"{stem}.png"))
-    else:
-        written[1].write_text(render_stop_policies(result))
+    elif "experiment" in result:
+        written.append(plot_experiment(result, out_dir / f"{stem}.png"))
     return written
 
 

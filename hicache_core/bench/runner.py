@@ -22,7 +22,10 @@ from hicache_core.bench.bound import Legs, bound_of, measure_legs
 from hicache_core.bench.workload import Served, Workload, run_workload
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig
+from hicache_core.hybrid.model import HybridModelConfig
+from hicache_core.hybrid.modeled import HYBRID_SHAPES
 from hicache_core.model import ModelConfig, ModeledCompute
+from hicache_core.requests import HybridPools
 
 #: The modeled deployment: Qwen2.5-7B-Instruct with an FP8 KV cache on one NVIDIA L4 (24 GB).
 #: Prefill: 7.6B params x 2 FLOP/token = 15.2 GFLOP/token; L4 dense bf16 ~121 TFLOP/s at ~50% MFU
@@ -47,10 +50,13 @@ TIER_CHOICES = {tier.value: tier for tier in CacheTiers}
 class BenchConfig:
     workload: Workload = field(default_factory=Workload)
     tiers: Sequence[CacheTiers] = (CacheTiers.L1, CacheTiers.L1_L2, CacheTiers.L1_L2_L3)
-    #: ``reference``: the real tiny model; ``modeled``: compute replaced by its modeled cost.
+    #: ``reference``: the real tiny model; ``modeled``: compute replaced by its modeled cost;
+    #: ``hybrid-swa`` / ``hybrid-swa-recurrent``: a hybrid shape of :data:`HYBRID_SHAPES`, modeled
+    #: (its own pools, window and checkpoint; ``layers``, ``kv_heads``, ``head_dim``, ``dtype`` unused).
     model: str = "modeled"
-    prefill_tokens_per_s: float = L4_PREFILL_TOKENS_PER_S
-    decode_step_s: float = L4_DECODE_STEP_S
+    #: Modeled costs; ``None``: the model's own (Qwen2.5-7B on an L4, or the hybrid shape's).
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
     layers: int = QWEN7B_LAYERS
     kv_heads: int = QWEN7B_KV_HEADS
     head_dim: int = QWEN7B_HEAD_DIM
@@ -68,6 +74,13 @@ class BenchConfig:
     backend_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.model not in ("reference", "modeled", *HYBRID_SHAPES):
+            raise ValueError(f"model must be one of reference, modeled, {', '.join(HYBRID_SHAPES)}; got {self.model!r}")
+        hybrid = HYBRID_SHAPES.get(self.model)
+        if self.prefill_tokens_per_s is None:
+            self.prefill_tokens_per_s = hybrid.compute.prefill_tokens_per_s if hybrid else L4_PREFILL_TOKENS_PER_S
+        if self.decode_step_s is None:
+            self.decode_step_s = hybrid.compute.decode_step_s if hybrid else L4_DECODE_STEP_S
         if self.page_size < 1 or self.device_tokens < self.page_size or self.device_tokens % self.page_size:
             raise ValueError(f"device_tokens ({self.device_tokens}) must be a positive multiple of page_size ({self.page_size})")
         for name in ("host_ratio", "prefill_tokens_per_s"):
@@ -76,14 +89,28 @@ class BenchConfig:
         if self.decode_step_s < 0:
             raise ValueError(f"decode_step_s must not be negative, got {self.decode_step_s}")
 
-    def model_and_compute(self) -> tuple[ModelConfig, ModeledCompute | None]:
+    @property
+    def hybrid(self) -> bool:
+        return self.model in HYBRID_SHAPES
+
+    def model_and_compute(self) -> tuple[ModelConfig | HybridModelConfig, ModeledCompute | None]:
         """The model whose KV the pools hold, and the modeled cost replacing its forward pass (if any)."""
+        assert self.prefill_tokens_per_s is not None and self.decode_step_s is not None
+        compute = ModeledCompute(self.prefill_tokens_per_s, self.decode_step_s)
         if self.model == "reference":
             return ModelConfig(), None
-        if self.model == "modeled":
-            model = ModelConfig(layers=self.layers, kv_heads=self.kv_heads, q_heads=self.kv_heads, head_dim=self.head_dim, dtype=DTYPES[self.dtype])
-            return model, ModeledCompute(self.prefill_tokens_per_s, self.decode_step_s)
-        raise ValueError(f"model must be 'reference' or 'modeled', got {self.model!r}")
+        if self.hybrid:
+            return HYBRID_SHAPES[self.model].config, compute
+        model = ModelConfig(layers=self.layers, kv_heads=self.kv_heads, q_heads=self.kv_heads, head_dim=self.head_dim, dtype=DTYPES[self.dtype])
+        return model, compute
+
+    def full_pool_model(self) -> ModelConfig:
+        """A FULL-only model with the FULL pool's geometry (the legs are timed on it)."""
+        model = self.model_and_compute()[0]
+        if isinstance(model, ModelConfig):
+            return model
+        full = model.full_geometry
+        return ModelConfig(layers=full.layers, kv_heads=full.kv_heads, q_heads=full.kv_heads, head_dim=full.head_dim, dtype=full.dtype)
 
     def engine_config(self, tiers: CacheTiers, storage_root: str | None) -> EngineConfig:
         model, compute = self.model_and_compute()
@@ -106,10 +133,13 @@ class BenchConfig:
             tenant=f"bench-{uuid.uuid4().hex[:12]}",  # a shared store never serves an earlier run's pages
             max_running=self.workload.max_running,
             compute=compute,
+            # The bench's hybrid shapes have no draft model; the SWA pools default to the FULL pool's pages.
+            hybrid=HybridPools(draft=False),
         )
 
     def kv_bytes_per_token(self) -> int:
-        return self.model_and_compute()[0].geometry.token_bytes
+        """Bytes per token of the FULL pool (a hybrid model's other pools: ``describe``)."""
+        return self.full_pool_model().geometry.token_bytes
 
 
 @dataclass
@@ -141,6 +171,9 @@ class TierRun:
     metrics: dict[str, float]
     #: What the measured legs allow this run (see :mod:`hicache_core.bench.bound`); None without modeled compute.
     bound: dict[str, Any] | None = None
+    #: A hybrid model's SWA and checkpoint bytes moved (``load``, ``backup``, ``storage_read``), which
+    #: the engine's counters (FULL pool) leave out; None for FULL-only models.
+    side_pool_bytes: dict[str, int] | None = None
 
 
 def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
@@ -182,6 +215,8 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
             served = run_workload(engine, config.workload, questions, on_round)
             wall = time.perf_counter() - started
             metrics = engine.metrics.snapshot()
+            moved = getattr(engine.runner, "moved", None)
+            side = dict(moved.bytes) if moved is not None else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rounds = [summarize(r, [s for s in served if s.round == r]) for r in range(config.workload.rounds)]
@@ -190,8 +225,9 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
         rounds=rounds,
         overall=summarize("all", served, wall),
         storage_bytes_written=int(metrics["storage_backup_bytes"]),
-        storage_bytes_read=int(metrics["prefetch_bytes"]),
+        storage_bytes_read=int(metrics["prefetch_bytes"]) + (side["storage_read"] if side else 0),
         metrics=metrics,
+        side_pool_bytes=side,
     )
 
 
@@ -208,7 +244,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None =
     l1_wall = next((run.overall.wall_s for run in runs if run.tiers == CacheTiers.L1.value), None)
     page_bytes = config.page_size * config.kv_bytes_per_token()
     for run in runs:
-        bound = bound_of(run.metrics, run.overall.wall_s, legs, page_bytes, l1_wall)
+        bound = bound_of(run.metrics, run.overall.wall_s, legs, page_bytes, l1_wall, run.side_pool_bytes)
         run.bound = bound.as_dict() if bound is not None else None
     return {"config": describe(config), "legs": legs.as_dict(), "runs": [asdict(run) for run in runs]}
 
@@ -219,7 +255,8 @@ def measure_bench_legs(config: BenchConfig) -> Legs:
     tiers = CacheTiers.L1_L2_L3 if any(t.storage for t in config.tiers) else CacheTiers.L1_L2
     scratch = tempfile.mkdtemp(prefix="hicache-legs-")
     try:
-        return measure_legs(config.engine_config(tiers, storage_root=f"{scratch}/l3"))
+        engine_config = config.engine_config(tiers, storage_root=f"{scratch}/l3")
+        return measure_legs(replace(engine_config, model=config.full_pool_model()))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -231,6 +268,8 @@ def describe(config: BenchConfig) -> dict[str, Any]:
     data["stop_policy"] = config.stop_policy.value
     data["kv_bytes_per_token"] = config.kv_bytes_per_token()
     data["backend"] = config.backend or "file (temporary directory)"
+    if config.hybrid:
+        data["hybrid"] = HYBRID_SHAPES[config.model].describe()
     if config.backend_config is not None:
         data["backend_config"] = "(given)"  # may hold credentials; never written to results
     return data
