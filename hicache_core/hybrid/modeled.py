@@ -166,7 +166,20 @@ class ModeledHybridRunner(HybridRunner):
             memory.to_device = self.moved.counted("load", memory.to_device, size)
         for component in components:
             component.fetch_buffers = self.moved.counted("storage_read", component.fetch_buffers, slot_bytes[id(component)])
+        if self.checkpoints is not None:
+            self.checkpoints.state_at = self._state_at_counted(self.checkpoints, slot_bytes[id(self.checkpoints)])
         return components
+
+    def _state_at_counted(self, checkpoints: RecurrentState, size: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """``state_at`` counting a checkpoint copied from the host straight into a request's state (a load)."""
+        state_at = checkpoints.state_at
+
+        def counted(node: Any, initial: torch.Tensor) -> torch.Tensor:
+            if node is not self.tree.root and checkpoints.slots(node, device=True) is None:
+                self.moved.add("load", size)
+            return state_at(node, initial)
+
+        return counted
 
     def forward(self, live: Live, tokens: Sequence[int], length: int, load: LayerLoad | None, prefill: bool) -> int:
         request = live.model_state
