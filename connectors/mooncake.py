@@ -196,7 +196,6 @@ class MooncakeBackend(StorageBackend):
     Config = MooncakeConfig
     capabilities = Capabilities(
         zero_copy_read=True,
-        bounded_calls=True,  # the Mooncake client's RPC timeouts bound every call
         native_batch_exists=True,
         delete=True,
         clear=True,

@@ -52,6 +52,22 @@ if TYPE_CHECKING:
 
 #: What a facade counts, by operation.
 COUNTED = ("exists", "get", "put", "delete", "clear", "register_buffer")
+#: The names ``stats()`` gives the facade's counts: name -> (operation, field).
+STAT_FIELDS = {
+    "exists_calls": ("exists", "calls"),
+    "exists_keys": ("exists", "keys"),
+    "exists_hits": ("exists", "hits"),
+    "get_calls": ("get", "calls"),
+    "get_keys": ("get", "keys"),
+    "get_hits": ("get", "hits"),
+    "put_calls": ("put", "calls"),
+    "put_keys": ("put", "keys"),
+    "put_stored": ("put", "hits"),
+    "delete_calls": ("delete", "calls"),
+    "delete_keys": ("delete", "keys"),
+    "bytes_read": ("get", "bytes"),
+    "bytes_written": ("put", "bytes"),
+}
 
 
 class Store:
@@ -193,21 +209,7 @@ class Store:
         events of every level of the stack (``timeouts``, ``retries``, ``integrity_miss_*``, a
         connector's own counters...); an event counted at several levels is their sum."""
         ops = self.counters.snapshot()
-        counts = {
-            "exists_calls": ops["exists"]["calls"],
-            "exists_keys": ops["exists"]["keys"],
-            "exists_hits": ops["exists"]["hits"],
-            "get_calls": ops["get"]["calls"],
-            "get_keys": ops["get"]["keys"],
-            "get_hits": ops["get"]["hits"],
-            "put_calls": ops["put"]["calls"],
-            "put_keys": ops["put"]["keys"],
-            "put_stored": ops["put"]["hits"],
-            "delete_calls": ops["delete"]["calls"],
-            "delete_keys": ops["delete"]["keys"],
-            "bytes_read": ops["get"]["bytes"],
-            "bytes_written": ops["put"]["bytes"],
-        }
+        counts = {name: ops[operation][field] for name, (operation, field) in STAT_FIELDS.items()}
         return {**sum_events(level.event_counts() for level in reversed(self.levels())), **counts}
 
     def close(self) -> None:

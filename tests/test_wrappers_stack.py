@@ -127,8 +127,9 @@ def test_default_timeout_goes_only_on_a_stack_that_does_not_bound_its_calls():
 def test_builtin_network_connectors_declare_bounded_calls():
     from hicache_storage.registry import resolve
 
-    assert all(resolve(name).capabilities.bounded_calls for name in ("redis", "s3", "mooncake"))
-    assert not any(resolve(name).capabilities.bounded_calls for name in ("memory", "file", "hf3fs", "fsspec"))
+    assert all(resolve(name).capabilities.bounded_calls for name in ("redis", "s3"))
+    # Mooncake's client waited far past the engine's bound with its master frozen (the fault matrix).
+    assert not any(resolve(name).capabilities.bounded_calls for name in ("memory", "file", "hf3fs", "fsspec", "mooncake"))
 
 
 @pytest.mark.parametrize("above", ["retry", "integrity"])
