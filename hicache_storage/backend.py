@@ -18,7 +18,7 @@ Three faces, kept apart:
   :func:`~hicache_storage.store.check_results`). No level calls another object's underscore
   methods.
 * **Callers** use a :class:`~hicache_storage.store.Store`: validation, buffers, batch splitting,
-  statistics. Every backend has one over itself as :attr:`store`, and the caller methods here
+  statistics. Every backend has one over itself as :attr:`facade`, and the caller methods here
   (:meth:`exists`, :meth:`get_into`, :meth:`put_from`, :meth:`prefix_exists`, :meth:`get`,
   :meth:`put`, :meth:`delete`, :meth:`clear`, :meth:`register_buffer`, :meth:`stats`) are that
   facade's, so a connector used directly is a store without layers.
@@ -74,7 +74,7 @@ class StorageBackend(ABC):
         self._closed = False
         self._event_counts = EventCounters(self.extra_stats)
         #: The caller's facade over this level (and everything below it).
-        self.store = Store(self)
+        self.facade = Store(self)
 
     # --- connector hooks ----------------------------------------------------------------------
 
@@ -143,38 +143,38 @@ class StorageBackend(ABC):
 
     def exists(self, keys: Sequence[PageKey]) -> list[bool]:
         """See :meth:`Store.exists <hicache_storage.store.Store.exists>`."""
-        return self.store.exists(keys)
+        return self.facade.exists(keys)
 
     def prefix_exists(self, keys: Sequence[PageKey]) -> int:
         """See :meth:`Store.prefix_exists <hicache_storage.store.Store.prefix_exists>`."""
-        return self.store.prefix_exists(keys)
+        return self.facade.prefix_exists(keys)
 
     def get_into(self, keys: Sequence[PageKey], targets: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
         """See :meth:`Store.get_into <hicache_storage.store.Store.get_into>`."""
-        return self.store.get_into(keys, targets)
+        return self.facade.get_into(keys, targets)
 
     def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
         """See :meth:`Store.put_from <hicache_storage.store.Store.put_from>` (the last write of a key wins)."""
-        return self.store.put_from(keys, sources)
+        return self.facade.put_from(keys, sources)
 
     def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        return self.store.delete(keys)
+        return self.facade.delete(keys)
 
     def clear(self, namespace: Namespace) -> None:
-        self.store.clear(namespace)
+        self.facade.clear(namespace)
 
     def get(self, keys: Sequence[PageKey], size: int) -> list[bytes | None]:
-        return self.store.get(keys, size)
+        return self.facade.get(keys, size)
 
     def put(self, keys: Sequence[PageKey], values: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
-        return self.store.put(keys, values)
+        return self.facade.put(keys, values)
 
     def register_buffer(self, buffer: BufferLike) -> None:
-        self.store.register_buffer(buffer)
+        self.facade.register_buffer(buffer)
 
     def stats(self) -> dict[str, int]:
         """See :meth:`Store.stats <hicache_storage.store.Store.stats>`: this facade's counters and every level's events."""
-        return self.store.stats()
+        return self.facade.stats()
 
     def __enter__(self) -> StorageBackend:
         return self

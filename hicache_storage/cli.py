@@ -123,7 +123,7 @@ def run_describe(args: argparse.Namespace) -> int:
     from hicache_storage.spec import open_store
 
     with open_store(args.spec) as store:
-        print(json.dumps(store.store.describe(), indent=2))
+        print(json.dumps(store.facade.describe(), indent=2))
     return 0
 
 

@@ -23,7 +23,7 @@ so a connector that refines its capabilities after opening (Redis at connect, 3F
 first put) is seen at once, through every layer.
 
 Every :class:`~hicache_storage.backend.StorageBackend` (a connector or a layer) has a facade over
-itself as ``backend.store``, and its caller methods (``exists``, ``get_into``...) are that
+itself as ``backend.facade``, and its caller methods (``exists``, ``get_into``...) are that
 facade's: a connector used directly is a store with no layers. :func:`~hicache_storage.spec.open_store`
 opens a connector with its layers from one spec.
 """

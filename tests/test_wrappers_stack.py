@@ -36,7 +36,7 @@ class SizesSlotsOnFirstPut(MemoryBackend):
 def test_a_capability_changed_after_opening_is_seen_through_every_layer():
     connector = SizesSlotsOnFirstPut()
     store = wrap(connector, EVERY_KIND)
-    levels = store.store.levels()
+    levels = store.facade.levels()
     assert [getattr(level, "kind", "connector") for level in levels] == ["metrics", "retry", "timeout", "integrity", "faults", "connector"]
     assert all(level.capabilities.max_value_size is None for level in levels)
 
@@ -45,7 +45,7 @@ def test_a_capability_changed_after_opening_is_seen_through_every_layer():
     trailer = 48  # the integrity layer's, taken from the limit by every level above it
     assert [level.capabilities.max_value_size for level in levels] == [4096 - trailer] * 4 + [4096] * 2
     assert all(level.capabilities.max_batch == 3 for level in levels)
-    described = store.store.describe()
+    described = store.facade.describe()
     assert described["capabilities"]["max_value_size"] == 4096 - trailer
     assert [level["capabilities"]["max_batch"] for level in described["levels"]] == [3] * 6
     with pytest.raises(Exception, match="max_value_size of 4048 bytes"):
@@ -151,7 +151,7 @@ def test_retry_and_integrity_are_refused_above_a_zero_copy_timeout(above):
 
 def test_capability_overrides_reach_every_layer():
     with open_store({"backend": "memory", "layers": EVERY_KIND, "capability_overrides": {"max_batch": 5}}) as store:
-        assert [level.capabilities.max_batch for level in store.store.levels()] == [5] * 6
+        assert [level.capabilities.max_batch for level in store.facade.levels()] == [5] * 6
 
 
 HOOKS = {"_exists", "_get_into", "_put_from", "_delete", "_clear", "_register_buffer", "_close", "_check_open"}

@@ -119,7 +119,7 @@ def check_layer_order(kinds: Sequence[tuple[str, bool]]) -> None:
 
 def _kinds(backend: StorageBackend) -> list[tuple[str, bool]]:
     """The layers already in ``backend``'s stack as ``(kind, zero_copy)``, innermost first."""
-    levels = [level for level in backend.store.levels() if isinstance(level, Layer)]
+    levels = [level for level in backend.facade.levels() if isinstance(level, Layer)]
     return [(level.kind, _zero_copy(level.config)) for level in reversed(levels)]
 
 

@@ -100,7 +100,7 @@ class Layer(StorageBackend):
 
     def layers(self) -> list[StorageBackend]:
         """Every level of the stack, this layer first and the connector last."""
-        return self.store.levels()
+        return self.facade.levels()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.config} inner={self.inner!r}>"
@@ -112,12 +112,12 @@ BackendWrapper = Layer
 
 def unwrap(backend: StorageBackend) -> StorageBackend:
     """The connector at the bottom of a stack (``backend`` itself if it is a connector)."""
-    return backend.store.levels()[-1]
+    return backend.facade.levels()[-1]
 
 
 def find_wrapper(backend: StorageBackend, cls: type[W]) -> W | None:
     """The outermost layer of type ``cls`` in ``backend``'s stack, or ``None`` if there is none."""
-    for level in backend.store.levels():
+    for level in backend.facade.levels():
         if isinstance(level, cls):
             return level
     return None

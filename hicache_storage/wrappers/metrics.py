@@ -103,7 +103,7 @@ class MetricsWrapper(Layer):
         with ``"+Inf"`` last, as in Prometheus; ``events`` holds the lower layers' counters.
         """
         operations = self.counters.snapshot()
-        events = sum_events(level.event_counts() for level in self.inner.store.levels())
+        events = sum_events(level.event_counts() for level in self.inner.facade.levels())
         return {"backend": self.label, "operations": operations, "events": events}
 
     def register_prometheus(self, registry: Any = None) -> None:
