@@ -173,3 +173,22 @@ def test_no_module_calls_another_objects_underscore_hooks():
                     if not own:
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
     assert offenders == []
+
+
+def test_the_engine_opens_its_store_from_backend_config_and_layers():
+    """EngineConfig names layers; the controller then bounds the stack with its zero-copy timeout
+    on top, where retry and integrity are safe."""
+    from dataclasses import replace
+
+    from hicache_core.engine import Engine
+    from hicache_core.soak import CacheTiers, tiny_engine_config
+
+    config = replace(
+        tiny_engine_config(CacheTiers.L1_L2_L3, 5.0),
+        storage_backend="memory",
+        storage_layers=[{"kind": "integrity"}, {"kind": "retry", "attempts": 2}],
+    )
+    with Engine(config) as engine:
+        storage = engine.controller.storage
+        assert storage.name == "timeout(retry(integrity(memory)))"
+        assert storage.config.zero_copy and storage.capabilities.bounded_calls
