@@ -16,7 +16,7 @@ is, unless its capabilities say ``bounded_calls`` (a connector whose client has 
 timeouts of its own, or a timeout among ``layers``). A layer that can stall a call (fault
 injection) clears ``bounded_calls``, so the timeout comes back.
 
-The stack builder (:func:`stack_layers`) refuses an unsafe order: with a **zero-copy** timeout,
+The stack builder (:func:`~hicache_storage.wrappers.stack_layers`) refuses an unsafe order: with a **zero-copy** timeout,
 the store may still use the caller's buffers after the caller was told the call timed out, and a
 retry or integrity layer above it would reuse those buffers at once (retrying into them, or
 returning its trailer slots). Such a stack is a :class:`~hicache_storage.errors.ConfigError`
@@ -44,7 +44,7 @@ class StoreSpec(BackendConfig):
 
     backend: str = pydantic.Field(description="registered connector name (memory, file, redis, ...) or 'package.module:Class'")
     config: dict[str, Any] = pydantic.Field(
-        default_factory=dict, description="the connector's own config (a JSON object string or '@path' is read too)"
+        default_factory=dict, repr=False, description="the connector's own config (a JSON object string or '@path' is read too)"
     )
     layers: list[dict[str, Any]] = pydantic.Field(
         default_factory=list,
@@ -56,6 +56,12 @@ class StoreSpec(BackendConfig):
     capability_overrides: dict[str, Any] = pydantic.Field(
         default_factory=dict, description="capability fields to set on the connector once open (an emulator's declared gaps)"
     )
+
+    def public_dict(self) -> dict[str, Any]:
+        """The spec as plain data, the connector's config left out: only the connector's own config
+        class knows which of its fields are secrets (an open store's ``facade.describe()`` shows it
+        masked)."""
+        return {**super().public_dict(), "config": "<see the connector's config>"}
 
     @pydantic.field_validator("config", mode="before")
     @classmethod

@@ -192,3 +192,10 @@ def test_the_engine_opens_its_store_from_backend_config_and_layers():
         storage = engine.controller.storage
         assert storage.name == "timeout(retry(integrity(memory)))"
         assert storage.config.zero_copy and storage.capabilities.bounded_calls
+
+
+def test_a_store_spec_never_shows_the_connector_config():
+    """Only the connector's config class knows its secret fields; the spec shows none of it."""
+    spec = StoreSpec.parse({"backend": "s3", "config": {"secret_access_key": "hunter2"}})
+    for shown in (str(spec), repr(spec), json.dumps(spec.public_dict())):
+        assert "hunter2" not in shown
