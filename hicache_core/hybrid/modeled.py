@@ -189,13 +189,13 @@ class ModeledHybridRunner(HybridRunner):
             if not position <= begin < length:
                 continue
             own.slots(begin, end, request.window, request.window_base)  # the pages this chunk's window holds
-            if prefill:
-                self._prefill(end - begin, load)
             if self.checkpoints is not None:
                 for boundary in own.boundaries:
                     if begin < boundary <= end:
                         request.snapshots[boundary] = request.state.clone()
             own.advance(end)
+        if prefill:  # one sleep per layer for the whole call: a sleep per window-sized chunk overshoots
+            self._prefill(len(tokens), load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
 
     def _prefill(self, tokens: int, load: LayerLoad | None) -> None:
