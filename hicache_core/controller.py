@@ -428,15 +428,18 @@ class CacheController:
         """
         target = match.host_node if node is None else node
         if target.end <= match.device_hit_length or self.transfers is None:
-            usable = target if target.end <= match.device_hit_length else match.device_node
+            # A fallback to the device part resumes where every component accepts (a checkpoint
+            # or window may be missing at its end); for a FULL-only model that is the node itself.
+            usable = target if target.end <= match.device_hit_length else self.tree.resume_point(match.device_node, on_device=True)
             self.tree.lock(usable)
             return usable, None
         self.tree.lock(target)  # keeps the host copies and the device prefix during the load
         slots = self.alloc_device(target.end - match.device_hit_length)
         if slots is None:
             self.tree.unlock(target)
-            self.tree.lock(match.device_node)
-            return match.device_node, None
+            usable = self.tree.resume_point(match.device_node, on_device=True)
+            self.tree.lock(usable)
+            return usable, None
         nodes = self.tree.path(target, below=match.device_node)
         host_parts, offset = [], 0
         for node in nodes:
