@@ -53,7 +53,7 @@ def test_hybrid_multi_turn_restores_every_pool_from_l3_and_its_bound_counts_them
     side = l3["side_pool_bytes"]
     assert side["storage_read"] > 0 and side["backup"] > 0 and side["load"] > 0, side
     assert l3["storage_bytes_read"] == l3["metrics"]["prefetch_bytes"] + side["storage_read"]
-    assert runs["L1"]["side_pool_bytes"] == {"load": 0, "backup": 0, "storage_read": 0}
+    assert runs["L1"]["side_pool_bytes"] == {"load": 0, "backup": 0, "storage_read": 0, "load_seconds": 0.0, "backup_seconds": 0.0}
     for run in runs.values():
         bound = run["bound"]
         assert bound["bound_s"] == max(bound["compute_s"], bound["storage_s"], bound["copies_s"])

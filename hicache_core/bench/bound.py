@@ -164,7 +164,7 @@ class Bound:
 
 
 def bound_of(
-    metrics: dict[str, float], wall_s: float, legs: Legs, page_bytes: int, l1_wall_s: float | None, side: dict[str, int] | None = None
+    metrics: dict[str, float], wall_s: float, legs: Legs, page_bytes: int, l1_wall_s: float | None, side: dict[str, float] | None = None
 ) -> Bound | None:
     """The bound of one configuration's run from its counters; ``None`` without modeled compute.
 
@@ -174,7 +174,7 @@ def bound_of(
     """
     if legs.prefill_tokens_per_s is None or legs.decode_step_s is None:
         return None
-    side = side or {"load": 0, "backup": 0, "storage_read": 0}
+    side = side or {"load": 0.0, "backup": 0.0, "storage_read": 0.0}
     compute = metrics["computed_tokens"] / legs.prefill_tokens_per_s + metrics["decode_steps"] * legs.decode_step_s
     storage = _seconds(metrics["prefetch_bytes"] + side["storage_read"], legs.storage_read) + _seconds(metrics["storage_backup_bytes"], legs.storage_write)
     copies = (metrics["load_back_bytes"] + side["load"]) / legs.load + (metrics["host_backup_pages"] * page_bytes + side["backup"]) / legs.backup

@@ -70,7 +70,11 @@ def bound_lines(result: dict[str, Any]) -> list[str]:
         lines += [
             "",
             "Storage and copies include the SWA and checkpoint pools, timed at the FULL pool's speeds: "
-            + "; ".join(f"{tiers} loaded {_mib(b['load'])}, backed up {_mib(b['backup'])}, read from L3 {_mib(b['storage_read'])}" for tiers, b in side)
+            + "; ".join(
+                f"{tiers} loaded {_mib(b['load'])}, backed up {_mib(b['backup'])}, read from L3 {_mib(b['storage_read'])}"
+                + (f" (their copies: {b['load_seconds'] + b['backup_seconds']:.2f} s of synchronous calls)" if "load_seconds" in b else "")
+                for tiers, b in side
+            )
             + ".",
         ]
     return lines
@@ -255,6 +259,6 @@ def write_outputs(result: dict[str, Any], out_dir: Path, stem: str = "bench") ->
     return written
 
 
-def _mib(volume: int) -> str:
+def _mib(volume: float) -> str:
     """A volume moved, in whole MiB (``human_bytes`` names exact sizes: 12.4 GB read came out in KiB)."""
     return f"{volume / 2**20:,.0f} MiB" if volume else "0"

@@ -172,8 +172,9 @@ class TierRun:
     #: What the measured legs allow this run (see :mod:`hicache_core.bench.bound`); None without modeled compute.
     bound: dict[str, Any] | None = None
     #: A hybrid model's SWA and checkpoint bytes moved (``load``, ``backup``, ``storage_read``), which
-    #: the engine's counters (FULL pool) leave out; None for FULL-only models.
-    side_pool_bytes: dict[str, int] | None = None
+    #: the engine's counters (FULL pool) leave out, and the seconds its device <-> host copies took
+    #: (``load_seconds``, ``backup_seconds``); None for FULL-only models.
+    side_pool_bytes: dict[str, float] | None = None
 
 
 def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
@@ -216,7 +217,7 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
             wall = time.perf_counter() - started
             metrics = engine.metrics.snapshot()
             moved = getattr(engine.runner, "moved", None)
-            side = dict(moved.bytes) if moved is not None else None
+            side = {**moved.bytes, **{f"{leg}_seconds": s for leg, s in moved.copy_seconds.items()}} if moved is not None else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rounds = [summarize(r, [s for s in served if s.round == r]) for r in range(config.workload.rounds)]

@@ -112,20 +112,26 @@ HYBRID_SHAPES: dict[str, HybridShape] = {shape.name: shape for shape in (DEEPSEE
 
 
 class _Moved:
-    """Bytes a runner's components moved, by leg (thread-safe: the controller's threads copy too)."""
+    """Bytes a runner's components moved, by leg, and the seconds the copies took on the calling
+    thread (thread-safe: the controller's threads copy too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes = {"load": 0, "backup": 0, "storage_read": 0}
+        self.copy_seconds = {"load": 0.0, "backup": 0.0}
 
-    def add(self, leg: str, size: int) -> None:
+    def add(self, leg: str, size: int, seconds: float = 0.0) -> None:
         with self._lock:
             self.bytes[leg] += size
+            if leg in self.copy_seconds:
+                self.copy_seconds[leg] += seconds
 
     def counted(self, leg: str, call: Callable[..., Any], slot_bytes: int) -> Callable[..., Any]:
         def wrapper(*args: Any) -> Any:
-            self.add(leg, args[0].numel() * slot_bytes)  # the slots (tokens or checkpoints) moved
-            return call(*args)
+            started = time.perf_counter()
+            result = call(*args)
+            self.add(leg, args[0].numel() * slot_bytes, time.perf_counter() - started)  # the slots (tokens or checkpoints) moved
+            return result
 
         return wrapper
 
