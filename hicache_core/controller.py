@@ -4,9 +4,9 @@
   ``write_through_selective`` once it has been hit ``selective_hits`` times (default 2),
   ``write_back`` only when it is evicted from the device.
 * **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
-  thread in batches of at most ``batch_pages``; pages already stored (a live ``prefix_exists``)
-  are skipped, except pages a prefetch found unreadable (rewritten), and the first failed batch
-  ends the operation. Only ``shard.is_writer`` ranks write.
+  thread (:mod:`hicache_core.backup`) in batches of at most ``batch_pages``; pages already
+  stored (a live ``prefix_exists``) are skipped, except pages a prefetch found unreadable
+  (rewritten), and the first failed batch ends the operation. Only ``shard.is_writer`` ranks write.
 * **Prefetch** (storage -> host): see :mod:`hicache_core.prefetch` (``controller.prefetcher``).
 * **Load back** (host -> device) layer by layer; see :mod:`hicache_core.transfer`.
 * **Buffer-only**: host memory only stages pages on their way to and from storage.
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,12 +41,13 @@ from hicache_storage.keys import KeyScope
 from hicache_storage.multipool import MultiPoolStore, PoolSpec
 from hicache_storage.wrappers import stack_layers
 
+from hicache_core.backup import BackupOp, StorageBackup
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
 from hicache_core.side_pools import PoolPages, backup_pages, tiered
-from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
+from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
 from hicache_core.transfer import CopyDone, LayerLoad, Transfers
 
@@ -77,15 +76,6 @@ class ControllerConfig:
     #: Back up a component's state that appears on a node already backed up (a branch point's
     #: recurrent checkpoint): without it nothing copies that state to the host and L3.
     backfill: bool = True
-
-
-@dataclass(eq=False)
-class _BackupOp:
-    """One node's storage backup: its pages of every pool (the FULL KV's first, when it has any)."""
-
-    node: TreeNode
-    pools: list[PoolPages]
-    stored_pages: int = 0
 
 
 @dataclass(eq=False)
@@ -126,10 +116,6 @@ class CacheController:
         #: Whether the attached store is still called; a fresh one per attachment.
         self.storage_health: StorageHealth | None = None
         self._pending_writes: deque[_PendingWrite] = deque()
-        self._backup_queue: queue.SimpleQueue[_BackupOp | None] = queue.SimpleQueue()
-        self._backup_acks: queue.SimpleQueue[_BackupOp] = queue.SimpleQueue()
-        self._backups_outstanding = 0
-        self._backup_thread: threading.Thread | None = None
         self._staged_loads: list[tuple[LayerLoad, list[TreeNode]]] = []
         self._warned_host_too_small = False
         self.prefetcher = (
@@ -137,6 +123,7 @@ class CacheController:
             if host is not None
             else None
         )
+        self.backup = StorageBackup(self.metrics, config.batch_pages, self.prefetcher.suspects) if self.prefetcher else None
 
     # --- storage attachment -------------------------------------------------------------------
 
@@ -160,11 +147,8 @@ class CacheController:
         pools = [PoolSpec(scope.part), *(c.pool_spec(self.page_size) for c in self.components)]
         store = self.store = MultiPoolStore(backend, scope, pools)
         health = self.storage_health = StorageHealth(self.metrics, given_name)
-        self._backup_thread = threading.Thread(
-            target=self._backup_loop, args=(store, health), name="hicache-backup", daemon=True
-        )
-        self._backup_thread.start()
-        assert self.prefetcher is not None
+        assert self.backup is not None and self.prefetcher is not None
+        self.backup.start(store, health, writer=scope.shard.is_writer)
         self.prefetcher.start(backend, scope, health, store)
 
     def storage_stack(self, backend: StorageBackend) -> StorageBackend:
@@ -191,10 +175,8 @@ class CacheController:
         if backend is None:
             return None
         self.storage = None
-        self._backup_queue.put(None)
-        assert self._backup_thread is not None and self.prefetcher is not None
-        self._backup_thread.join()
-        self._backup_thread = None
+        assert self.backup is not None and self.prefetcher is not None
+        self.backup.stop()
         self.prefetcher.stop()
         self.drain()
         return backend
@@ -202,13 +184,12 @@ class CacheController:
     @property
     def threads_alive(self) -> bool:
         """Whether the backup and prefetch threads both run (a storage backend is attached)."""
-        backup_alive = self._backup_thread is not None and self._backup_thread.is_alive()
-        return backup_alive and self.prefetcher is not None and self.prefetcher.thread_alive
+        return self.backup is not None and self.backup.thread_alive and self.prefetcher is not None and self.prefetcher.thread_alive
 
     @property
     def io_pending(self) -> bool:
         """Whether copies or backups are in flight (their completion may make memory evictable)."""
-        return bool(self._pending_writes) or self._backups_outstanding > 0
+        return bool(self._pending_writes) or (self.backup is not None and self.backup.outstanding > 0)
 
     # --- device and host memory ---------------------------------------------------------------
 
@@ -334,76 +315,9 @@ class CacheController:
             slots = node.host_value.clone()
             kv = PoolPages(self.scope.part, list(node.page_hashes), self.host.segments_for(slots), slots, self.host.allocator, True)
             pools.insert(0, kv)
-        op = _BackupOp(node, pools)
         self.tree.protect_host(node)
-        for pages in pools:
-            pages.pin()
-        self._backups_outstanding += 1
-        self._backup_queue.put(op)
-
-    def _backup_loop(self, store: MultiPoolStore, health: StorageHealth) -> None:
-        while True:
-            op = self._backup_queue.get()
-            if op is None:
-                return
-            try:
-                self._run_backup(store, health, op)
-            except Exception:  # never let one failure stop later backups
-                log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
-                self.metrics.add(storage_errors=1)
-            finally:
-                # A put that timed out may still read the pages: they stay pinned until it returns.
-                for pages in op.pools:
-                    pages.unpin()
-                self._backup_acks.put(op)
-
-    def _run_backup(self, store: MultiPoolStore, health: StorageHealth, op: _BackupOp) -> None:
-        """Store each pool's pages of ``op`` the store lacks. Nothing is called on a store given up."""
-        assert self.scope is not None
-        if not self.scope.shard.is_writer or health.failed:
-            return
-        started = time.perf_counter()
-        for pages in op.pools:
-            if not self._store_pages(store, health, op, pages):
-                break
-        self.metrics.add(storage_backup_ops=1, storage_backup_seconds=time.perf_counter() - started)
-
-    def _store_pages(self, store: MultiPoolStore, health: StorageHealth, op: _BackupOp, pool: PoolPages) -> bool:
-        """Store the pages of one pool the store lacks, and rewrite those a read found bad;
-        whether every page is stored.
-
-        Pages ``prefix_exists`` reports are skipped, except the prefetcher's suspects (reported,
-        yet unreadable: corrupted or truncated in place), which would otherwise stay bad forever.
-        A page stored here stops being suspect.
-        """
-        assert self.prefetcher is not None
-        keys = store.keys(pool.pool, pool.hashes)
-        present = guarded_call(self.metrics, lambda: store.backend.prefix_exists(keys), 0, "exists", health=health)
-        suspects = self.prefetcher.suspects
-        rewrite = suspects.among(pool.hashes[:present]) if pool.rewrite_suspects else []
-        op.stored_pages += present - len(rewrite)
-        self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
-        pages = [*rewrite, *range(present, len(keys))]
-        step = self.config.batch_pages
-        for begin in range(0, len(pages), step):
-            batch = pages[begin : begin + step]
-            results = guarded_call(
-                self.metrics,
-                lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
-                None,
-                "put",
-                lambda exc: setattr(pool, "abandoned", exc),
-                health=health,
-            )
-            stored = leading_successes(results)
-            if pool.rewrite_suspects:
-                suspects.forget(pool.hashes[i] for i in batch[:stored])
-            op.stored_pages += stored
-            self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * pool.page_bytes)
-            if results is None or stored < len(results):
-                self.metrics.add(storage_backup_failed_batches=1)
-                return False
-        return True
+        assert self.backup is not None
+        self.backup.submit(BackupOp(node, pools))
 
     def _drop_staging(self, node: TreeNode) -> None:
         """Buffer-only: the host copy was only staging; free it once nothing reads it."""
@@ -472,10 +386,11 @@ class CacheController:
     def poll(self) -> None:
         """Apply finished device -> host copies and storage backups (counts agreed across ranks)."""
         self._ack_writes()
-        ready = self.tp.scheduler.all_min(self._backup_acks.qsize())
+        backup = self.backup
+        ready = self.tp.scheduler.all_min(backup.acknowledged()) if backup is not None else 0
         for _ in range(ready):
-            op = self._backup_acks.get()
-            self._backups_outstanding -= 1
+            assert backup is not None
+            op = backup.take()
             parent = op.node.parent
             self.tree.release_host(op.node)
             if self.config.buffer_only:
@@ -490,7 +405,7 @@ class CacheController:
         """Wait until every queued device -> host copy and storage backup has completed and been applied."""
         while True:
             self.poll()
-            busy = self.tp.scheduler.all_max(int(bool(self._pending_writes) or self._backups_outstanding > 0))
+            busy = self.tp.scheduler.all_max(int(self.io_pending))
             if not busy:
                 return
             time.sleep(poll_interval_s)

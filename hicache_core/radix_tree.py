@@ -19,166 +19,40 @@ Invariants (``check_invariants`` verifies them in tests):
   (both are taken along the path to the root), so a referenced node's ancestors stay too;
 * a node with neither copy exists only transiently (buffer-only staging) and ends a match.
 
+The records (nodes, match and insert results, the component protocol) are in
+:mod:`hicache_core.tree_node`; eviction, which the tree inherits, in :mod:`hicache_core.tree_eviction`.
+
 Not thread-safe: the scheduler thread owns the tree. Freed slots go to the ``free_device`` /
 ``free_host`` callbacks; the tree never touches pool memory.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from hicache_core.token_sequence import TokenSequence, chain_page_hashes
+from hicache_core.tree_eviction import TreeEviction
+from hicache_core.tree_node import (
+    Component,
+    HostInsertResult,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    path_nodes,
+    path_device_slots,
+)
 from hicache_storage.keys import page_hashes
 
-_ids = itertools.count()
+__all__ = ["Component", "HostInsertResult", "InsertResult", "MatchResult", "RadixTree", "TreeNode", "path_device_slots"]
 
 #: Tokens between two pages in the page-hash index (see ``RadixTree.__init__``).
 INDEX_STRIDE_TOKENS = 256
 
 
-class Component(Protocol):
-    """State a hybrid model keeps beside the full-attention KV, with its own rules.
-
-    The tree's own values (``device_value``/``host_value``) are the full-attention KV: every
-    token of a path. A component (a sliding-window KV pool, a recurrent-state checkpoint) keeps
-    its per-node state in ``node.components[name]`` and tells the tree three things: how a split
-    divides it, whether a request may resume at a node's end with it, and how to free it when
-    the node leaves the tree. Eviction of its own memory is the component's business.
-    """
-
-    name: str
-
-    def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
-        """``lower`` was cut after ``length`` tokens and ``upper`` now holds those (and has no state yet)."""
-
-    def accepts(self, node: TreeNode, on_device: bool) -> bool:
-        """Whether a request can resume at ``node.end`` with this component's state (from the
-        device alone when ``on_device``, else from the device or the host)."""
-
-    def release(self, node: TreeNode) -> None:
-        """``node`` leaves the tree: free whatever state it holds on every tier."""
-
-
-class TreeNode:
-    __slots__ = (
-        "id",
-        "parent",
-        "children",
-        "key",
-        "page_hashes",
-        "end",
-        "device_value",
-        "host_value",
-        "lock_ref",
-        "host_ref",
-        "hit_count",
-        "last_access",
-        "components",
-        "session_refs",
-    )
-
-    def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float, end: int = 0) -> None:
-        self.id = next(_ids)
-        self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.key = key
-        self.page_hashes = hashes
-        #: Tokens from the root through this node: its prefix length. Fixed for the node's life
-        #: (a split gives the upper part to a new node; this one keeps its end).
-        self.end = end
-        self.device_value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.lock_ref = 0
-        self.host_ref = 0
-        self.hit_count = 0
-        self.last_access = now
-        #: Per-component state of hybrid models, by component name (see ``RadixTree.components``).
-        self.components: dict[str, object] = {}
-        #: Sessions referencing this node directly (see :mod:`hicache_core.sessions`).
-        self.session_refs = 0
-
-    @property
-    def last_hash(self) -> str | None:
-        return self.page_hashes[-1] if self.page_hashes else None
-
-    def __repr__(self) -> str:
-        where = ("D" if self.device_value is not None else "") + ("H" if self.host_value is not None else "")
-        return f"<TreeNode {self.id} tokens={len(self.key)} {where or '-'} lock={self.lock_ref} host_ref={self.host_ref}>"
-
-
-class MatchResult:
-    """What ``match_prefix`` found for a token sequence (all lengths in tokens, page-aligned).
-
-    ``device_indices`` (the device slots of the device part, in order) and ``backed_up_node``
-    (the deepest matched node with a host copy) are worked out on first read, by walking up from
-    ``device_node`` / ``host_node``: a match does no work proportional to the matched length
-    unless they are asked for. Read them before the tree changes (an eviction of the matched
-    nodes, which a caller prevents by locking ``device_node``).
-    """
-
-    __slots__ = ("device_node", "host_hit_length", "host_node", "device_hit_length", "_root", "_indices", "_backed_up")
-
-    def __init__(self, device_node: TreeNode, host_hit_length: int, host_node: TreeNode, root: TreeNode) -> None:
-        self.device_node = device_node
-        self.device_hit_length = device_node.end
-        self.host_hit_length = host_hit_length
-        self.host_node = host_node
-        self._root = root
-        self._indices: torch.Tensor | None = None
-        self._backed_up: TreeNode | None = None
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        if self._indices is None:
-            self._indices = path_device_slots(self.device_node, self._root)
-        return self._indices
-
-    @property
-    def backed_up_node(self) -> TreeNode:
-        if self._backed_up is None:
-            node = self.host_node
-            while node is not self._root and node.host_value is None:
-                node = node.parent  # type: ignore[assignment]
-            self._backed_up = node
-        return self._backed_up
-
-    @property
-    def matched_length(self) -> int:
-        return self.device_hit_length + self.host_hit_length
-
-    def __repr__(self) -> str:
-        return (
-            f"MatchResult(device_hit_length={self.device_hit_length}, host_hit_length={self.host_hit_length}, "
-            f"device_node={self.device_node!r}, host_node={self.host_node!r})"
-        )
-
-
-@dataclass
-class InsertResult:
-    """``duplicate_length``: leading tokens already on the device (the caller frees its copies)."""
-
-    duplicate_length: int
-    last_node: TreeNode
-    new_nodes: list[TreeNode] = field(default_factory=list)
-    existing_nodes: list[TreeNode] = field(default_factory=list)
-
-
-@dataclass
-class HostInsertResult:
-    """Host pages placed in the tree (``inserted_tokens``) and those the caller must free (``unused``)."""
-
-    inserted_tokens: int
-    unused: list[torch.Tensor]
-
-
-class RadixTree:
+class RadixTree(TreeEviction):
     """Radix tree over whole pages of token ids.
 
     Lookups take any ``Sequence[int]``. A :class:`~hicache_core.token_sequence.TokenSequence` with
@@ -494,7 +368,7 @@ class RadixTree:
 
         Empty when ``node`` is the root (or ``below`` itself).
         """
-        return _path(node, self.root if below is None else below)
+        return path_nodes(node, self.root if below is None else below)
 
     def device_slots(self, node: TreeNode) -> torch.Tensor:
         """The device slots of the whole path to ``node``, in token order (every node on it must be on the device)."""
@@ -527,177 +401,6 @@ class RadixTree:
         if self.in_tree(node):
             node.session_refs -= 1
             assert node.session_refs >= 0, node
-
-    # --- eviction -----------------------------------------------------------------------------
-
-    def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
-        """Free at least ``num_tokens`` device slots from least recently used unlocked leaves.
-
-        Nodes leading to no session-referenced node go first, then the rest (each group least
-        recently used first): a session reference is a preference, never a pin. A node without
-        a host copy is first offered to ``backup`` (write-back); if it still has none it is
-        deleted with its host-only descendants, unless host I/O protects them.
-        Returns the number of device tokens freed (less than asked when too much is locked).
-        """
-        referenced = self.settle_recency()
-        heap = [(n in referenced, n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            *_, node = heapq.heappop(heap)
-            if not self._device_evictable(node):
-                continue
-            if node.host_value is None and backup is not None:
-                backup(node)
-            assert node.device_value is not None
-            size, parent = len(node.key), node.parent
-            if node.host_value is not None:
-                self._free_device(node.device_value)
-                node.device_value = None
-            elif node.host_ref == 0:
-                self._free_device(node.device_value)
-                node.device_value = None
-                self._delete_subtree(node)
-            else:
-                continue
-            freed += size
-            if parent is not None and self._device_evictable(parent):
-                heapq.heappush(heap, (parent in referenced, parent.last_access, parent.id, parent))
-        return freed
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host slots; never a node with host I/O in flight or locked.
-
-        Nodes leading to no session-referenced node go first, then the rest (no pinning), each
-        group least recently used first. Unreferenced host-only leaves (the node is deleted) go
-        before host copies of unreferenced device-resident nodes (the node stays on the device);
-        among referenced nodes it is the other way round (see ``_host_rank``).
-        """
-        referenced = self.settle_recency()
-        heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            *_, node = heapq.heappop(heap)
-            if not self._host_evictable(node):
-                continue
-            assert node.host_value is not None
-            freed += len(node.key)
-            self._free_host(node.host_value)
-            node.host_value = None
-            if node.device_value is None:
-                parent = node.parent
-                self._delete_subtree(node)
-                if parent is not None and self._host_evictable(parent):
-                    heapq.heappush(heap, self._host_rank(parent, referenced))
-        return freed
-
-    def drop_host_value(self, node: TreeNode) -> None:
-        """Free ``node``'s host copy now (buffer-only staging done); prunes it if nothing is left."""
-        if node.host_value is not None:
-            self._free_host(node.host_value)
-            node.host_value = None
-        self.prune(node)
-
-    def prune(self, node: TreeNode) -> None:
-        """Delete ``node`` and valueless ancestors that have no children and no references."""
-        while (
-            node is not self.root
-            and node.device_value is None
-            and node.host_value is None
-            and not node.children
-            and node.lock_ref == 0
-            and node.host_ref == 0
-        ):
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.key[: self.page_size]]
-            self._forget(node, parent)
-            node = parent
-
-    def settle_recency(self) -> set[TreeNode]:
-        """Give every node the latest access time in its subtree; return the session-referenced nodes.
-
-        Every eviction starts here: the tree's own, and a component's (which ranks its holders the
-        same way: unreferenced first, then least recently used).
-
-        Whatever reaches a node went through all its ancestors, so an ancestor was used at least
-        as recently as any descendant. A match stamps only the deepest node it reached (no walk
-        along the path); the path's times are filled in here, once per eviction, which visits
-        every node anyway. Deleted nodes hand their time to their parent (``_forget``).
-
-        A node is referenced when it or a descendant has ``session_refs``: worked out here in
-        the same bottom-up pass, so a session reference costs nothing per match or insert. The
-        set is a snapshot for one eviction: a referenced node deleted during it leaves its
-        ancestors counted as referenced until the next eviction.
-        """
-        referenced: set[TreeNode] = set()
-        for node in reversed(list(self.nodes())):
-            parent = node.parent
-            if parent is not None and parent.last_access < node.last_access:
-                parent.last_access = node.last_access
-            if node.session_refs or node in referenced:
-                referenced.add(node)
-                if parent is not None:
-                    referenced.add(parent)
-        return referenced
-
-    def _device_evictable(self, node: TreeNode) -> bool:
-        return (
-            node is not self.root
-            and node.parent is not None
-            and node.device_value is not None
-            and node.lock_ref == 0
-            and not any(c.device_value is not None for c in node.children.values())
-        )
-
-    def _host_evictable(self, node: TreeNode) -> bool:
-        return (
-            node is not self.root
-            and node.parent is not None
-            and node.host_value is not None
-            and node.host_ref == 0
-            and node.lock_ref == 0
-            and (node.device_value is not None or not node.children)
-        )
-
-    @staticmethod
-    def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[int, int, float, int, TreeNode]:
-        """Host eviction order. A session will read a referenced node again: dropping only the
-        host copy of one still on the device keeps it cached, deleting a host-only one does not,
-        so referenced nodes lose device-resident host copies first (measured in docs/sessions.md)."""
-        on_device = node.device_value is not None
-        if node in referenced:
-            return (1, 0 if on_device else 1, node.last_access, node.id, node)
-        return (0, 1 if on_device else 0, node.last_access, node.id, node)
-
-    def _delete_subtree(self, node: TreeNode) -> None:
-        """Remove ``node`` (no device copy left) and its descendants, freeing their host copies."""
-        for child in list(node.children.values()):
-            assert child.device_value is None and child.lock_ref == 0 and child.host_ref == 0, child
-            if child.host_value is not None:
-                self._free_host(child.host_value)
-                child.host_value = None
-            self._delete_subtree(child)
-        if node.host_value is not None:
-            self._free_host(node.host_value)
-            node.host_value = None
-        parent = node.parent
-        if parent is not None:
-            del parent.children[node.key[: self.page_size]]
-            self._forget(node, parent)
-        node.children = {}
-
-    def _forget(self, node: TreeNode, parent: TreeNode) -> None:
-        """Detach a deleted (childless) node: drop its pages from the index, keep its access time."""
-        index = self._by_hash
-        for page_hash in self._indexed_hashes(node):
-            del index[page_hash]
-        for component in self.components:
-            component.release(node)
-        if parent.last_access < node.last_access:
-            parent.last_access = node.last_access
-        node.parent = None
 
     # --- inspection ---------------------------------------------------------------------------
 
@@ -749,24 +452,6 @@ class RadixTree:
     def _check_aligned(self, length: int) -> None:
         if length % self.page_size:
             raise ValueError(f"length {length} is not a whole number of {self.page_size}-token pages")
-
-
-def _path(node: TreeNode, root: TreeNode) -> list[TreeNode]:
-    path = []
-    while node is not root:
-        path.append(node)
-        node = node.parent  # type: ignore[assignment]
-    path.reverse()
-    return path
-
-
-def path_device_slots(node: TreeNode, root: TreeNode) -> torch.Tensor:
-    """The device slots of the path from ``root`` to ``node``, concatenated in token order."""
-    parts = []
-    for step in _path(node, root):
-        assert step.device_value is not None, f"{step} has no device copy (lost after a match, or never loaded)"
-        parts.append(step.device_value)
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def _no_host(_: torch.Tensor) -> None:

@@ -368,7 +368,7 @@ def test_attach_and_detach_storage_at_runtime(expected):
         check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
         detached = engine.detach_storage()
         assert detached is not None and not engine.controller.threads_alive
-        assert engine.controller._backups_outstanding == 0, "detach drains in-flight backups"
+        assert not engine.controller.io_pending, "detach drains in-flight backups"
         assert detached.stats()["put_stored"] > 0
         assert engine.detach_storage() is None
         check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))

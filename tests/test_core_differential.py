@@ -19,6 +19,7 @@ from hicache_core.controller import ControllerConfig, WritePolicy
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, RequestResult, make_conversations, serve_conversations
 from hicache_core.model import ModelConfig, ModeledCompute
+from hicache_storage.keys import page_hashes
 
 MHA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
 MLA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, head_dim=8, ffn=64, mla=True, latent_dim=16, seed=12)
@@ -193,3 +194,19 @@ def test_buffer_only_mode(baseline, write):
         assert snapshot["host_hit_tokens"] == 0, "buffer-only mode serves no L2 hits"
         assert sum(r.cached_storage for r in flushed) > 0, "the flushed history must come back from L3"
         assert engine.tree.token_counts()["host"] == 0, "staging pages are freed once their I/O is done"
+
+
+def test_a_node_split_while_its_host_copy_is_in_flight_is_stored_whole(tmp_path):
+    """The next request matches half of the first's node and splits it before the first's
+    device -> host copy is acknowledged (acks come at the next step): every page of the first's
+    prefix still reaches L3, the upper half included (it used to be left out)."""
+    cfg = config(MHA, CacheTiers.L1_L2_L3, backend="file", storage_config={"root": str(tmp_path)})
+    first = CONVERSATIONS[0][0] + CONVERSATIONS[0][1]
+    with Engine(cfg) as engine:
+        engine.serve([Request("first", first, NEW_TOKENS)])
+        engine.serve([Request("half", first[:24] + CONVERSATIONS[1][0], NEW_TOKENS)])
+        engine.drain()
+        store = engine.controller.store
+        assert store is not None
+        hashes = page_hashes(first, 4)
+        assert store.backend.prefix_exists(store.keys("kv", hashes)) == len(hashes)

@@ -16,7 +16,7 @@ and evict it themselves in the tree's order (unreferenced by sessions, then leas
 first), never from a locked node. The FULL KV decides where a node exists; a component's state
 without it is freed with the node.
 
-Given its memory (:class:`KVMemory` for SWA KV, :class:`StateMemory` for checkpoints), a
+Given its memory (:mod:`.memory`: :class:`KVMemory` for SWA KV, :class:`StateMemory` for checkpoints), a
 component also moves its state between the tiers for the cache controller and the prefetcher
 (:class:`hicache_core.side_pools.TieredComponent`): it backs a node's state up to the host,
 names the L3 pages holding it (pool ``swa``: one page per page of the node; pool ``mamba``: one
@@ -29,85 +29,17 @@ only read and write host slots they were handed, pinned).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from hicache_storage.multipool import HitPolicy, PoolSpec
 
-from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
+from hicache_core.hybrid.memory import KVMemory, SlotMemory, StateMemory
+from hicache_core.pools import PageAllocator
 from hicache_core.radix_tree import RadixTree, TreeNode
-from hicache_core.transfer import Transfers
-
-
-class SlotMemory(Protocol):
-    """Where a component's slots live: copies between the tiers and the host slots as L3 values."""
-
-    device_allocator: PageAllocator
-    host_allocator: PageAllocator | None
-
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
-
-    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
-
-    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
-        """One L3 value per page (``allocator.page_size`` slots) of ``host_slots``."""
-        ...
-
-
-class KVMemory:
-    """A KV-shaped pool on the device and (optionally) the host, with the copies between them."""
-
-    def __init__(
-        self, geometry: KVGeometry, page_size: int, device_pages: int, host_pages: int | None, layout: str, device: str | None
-    ) -> None:
-        self.device = DevicePool(geometry, device_pages, page_size, device)
-        self.host = HostPool(geometry, page_size, layout, num_pages=host_pages) if host_pages else None
-        self.transfers = Transfers(self.device, self.host) if self.host is not None else None
-        self.device_allocator = self.device.allocator
-        self.host_allocator = self.host.allocator if self.host is not None else None
-
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        assert self.transfers is not None
-        self.transfers.backup(device_slots, host_slots).synchronize()
-
-    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        assert self.transfers is not None
-        self.transfers.load(device_slots, host_slots, lambda _: None).wait_all()
-
-    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
-        assert self.host is not None
-        return self.host.segments_for(host_slots)  # type: ignore[return-value]
-
-    def close(self) -> None:
-        if self.transfers is not None:
-            self.transfers.close()
-        if self.host is not None:
-            self.host.close()
-
-
-class StateMemory:
-    """Recurrent-state checkpoints: one ``shape`` tensor per slot, on the device and the host."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device_slots: int, host_slots: int | None, device: torch.device) -> None:
-        self.device = torch.zeros((device_slots, *shape), dtype=dtype, device=device)
-        self.host = torch.zeros((host_slots or 0, *shape), dtype=dtype)
-        self.device_allocator = PageAllocator(device_slots, 1)
-        self.host_allocator = PageAllocator(host_slots, 1) if host_slots else None
-
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self.host[host_slots] = self.device[device_slots].cpu()
-
-    def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self.device[device_slots] = self.host[host_slots].to(self.device.device)
-
-    def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
-        return [self.host[int(slot)] for slot in host_slots.tolist()]
-
-    def close(self) -> None:
-        return None
 
 
 @dataclass

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_core.controller import WritePolicy
-from hicache_core.hybrid.components import KVMemory, RecurrentState, SlidingWindow, StateMemory, attach
+from hicache_core.hybrid.components import RecurrentState, SlidingWindow, attach
+from hicache_core.hybrid.memory import KVMemory, StateMemory
 from hicache_core.hybrid.model import FULL, HybridDecoder, HybridModelConfig
 from hicache_core.hybrid.request_window import RequestWindow
 from hicache_core.model import TinyDecoder

@@ -1,0 +1,142 @@
+"""Host -> storage backup: one op per node, every pool of its pages, run on the backup thread.
+
+The cache controller submits an op when a node's device -> host copy completes (or, for
+backfill, when a component's state appears on a node already backed up). The op carries one
+:class:`~hicache_core.side_pools.PoolPages` per pool (the FULL KV's first), each pinned on its
+own host allocator until the thread is done with it. Per pool, pages already stored (a live
+``prefix_exists``) are skipped, except pages a prefetch found unreadable (``suspects``: they are
+rewritten); puts go in batches of at most ``batch_pages``, and the first failed batch ends the
+op. Only writer ranks (``shard.is_writer``) call the store, and a store given up
+(:class:`~hicache_core.storage_calls.StorageHealth`) is not called at all; every rank still
+acknowledges every op, so their trees change at the same agreed points.
+
+Threads: the scheduler thread calls ``submit``, ``acknowledged`` and ``take``; the backup thread
+reads only the host pages of the ops it was handed and survives any exception from the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from hicache_storage.multipool import MultiPoolStore
+
+from hicache_core.metrics import CacheMetrics
+from hicache_core.prefetch import SuspectPages
+from hicache_core.radix_tree import TreeNode
+from hicache_core.side_pools import PoolPages
+from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BackupOp:
+    """One node's storage backup: its pages of every pool (the FULL KV's first, when it has any)."""
+
+    node: TreeNode
+    pools: list[PoolPages]
+    stored_pages: int = 0
+
+
+class StorageBackup:
+    """The backup thread and its queue; acknowledgements come back in completion order."""
+
+    def __init__(self, metrics: CacheMetrics, batch_pages: int, suspects: SuspectPages) -> None:
+        self.metrics = metrics
+        self.batch_pages = batch_pages
+        self.suspects = suspects
+        #: Ops submitted and not taken back yet.
+        self.outstanding = 0
+        self._queue: queue.SimpleQueue[BackupOp | None] = queue.SimpleQueue()
+        self._acks: queue.SimpleQueue[BackupOp] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, store: MultiPoolStore, health: StorageHealth, *, writer: bool) -> None:
+        """Store ops into ``store`` on a new thread (``writer=False``: acknowledge without storing)."""
+        self._thread = threading.Thread(target=self._loop, args=(store, health, writer), name="hicache-backup", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Queued ops finish (each call bounded by the storage timeout), then the thread exits."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, op: BackupOp) -> None:
+        for pages in op.pools:
+            pages.pin()
+        self.outstanding += 1
+        self._queue.put(op)
+
+    def acknowledged(self) -> int:
+        """Ops completed and not taken yet (this rank's count; the caller agrees on one)."""
+        return self._acks.qsize()
+
+    def take(self) -> BackupOp:
+        """The next completed op (one is ``acknowledged``)."""
+        self.outstanding -= 1
+        return self._acks.get()
+
+    def _loop(self, store: MultiPoolStore, health: StorageHealth, writer: bool) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            try:
+                if writer and not health.failed:
+                    self._run(store, health, op)
+            except Exception:  # never let one failure stop later backups
+                log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
+                self.metrics.add(storage_errors=1)
+            finally:
+                # A put that timed out may still read the pages: they stay pinned until it returns.
+                for pages in op.pools:
+                    pages.unpin()
+                self._acks.put(op)
+
+    def _run(self, store: MultiPoolStore, health: StorageHealth, op: BackupOp) -> None:
+        started = time.perf_counter()
+        for pages in op.pools:
+            if not self._store_pages(store, health, op, pages):
+                break
+        self.metrics.add(storage_backup_ops=1, storage_backup_seconds=time.perf_counter() - started)
+
+    def _store_pages(self, store: MultiPoolStore, health: StorageHealth, op: BackupOp, pool: PoolPages) -> bool:
+        """Store the pages of one pool the store lacks, and rewrite those a read found bad;
+        whether every page is stored. A page stored here stops being suspect."""
+        keys = store.keys(pool.pool, pool.hashes)
+        present = guarded_call(self.metrics, lambda: store.backend.prefix_exists(keys), 0, "exists", health=health)
+        suspects = self.suspects
+        rewrite = suspects.among(pool.hashes[:present]) if pool.rewrite_suspects else []
+        op.stored_pages += present - len(rewrite)
+        self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
+        pages = [*rewrite, *range(present, len(keys))]
+        step = self.batch_pages
+        for begin in range(0, len(pages), step):
+            batch = pages[begin : begin + step]
+            results = guarded_call(
+                self.metrics,
+                lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
+                None,
+                "put",
+                lambda exc: setattr(pool, "abandoned", exc),
+                health=health,
+            )
+            stored = leading_successes(results)
+            if pool.rewrite_suspects:
+                suspects.forget(pool.hashes[i] for i in batch[:stored])
+            op.stored_pages += stored
+            self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * pool.page_bytes)
+            if results is None or stored < len(results):
+                self.metrics.add(storage_backup_failed_batches=1)
+                return False
+        return True

@@ -1,0 +1,201 @@
+"""Eviction from the radix tree: least recently used first, sessions' prefixes last, never a locked node.
+
+:class:`TreeEviction` is the eviction half of :class:`~hicache_core.radix_tree.RadixTree` (which
+inherits it): freeing device and host copies, deleting nodes with nothing left, and the recency
+and session-reference pass every eviction (the tree's and the components') starts with.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+
+import torch
+
+from hicache_core.tree_node import Component, TreeNode
+
+
+class TreeEviction:
+    """Eviction over a tree's nodes (see ``RadixTree`` for the attributes it reads)."""
+
+    root: TreeNode
+    page_size: int
+    components: tuple[Component, ...]
+    _free_device: Callable[[torch.Tensor], None]
+    _free_host: Callable[[torch.Tensor], None]
+    _by_hash: dict[str, TreeNode]
+
+    def nodes(self) -> Iterator[TreeNode]:
+        raise NotImplementedError
+
+    def _indexed_hashes(self, node: TreeNode) -> list[str]:
+        raise NotImplementedError
+
+    def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
+        """Free at least ``num_tokens`` device slots from least recently used unlocked leaves.
+
+        Nodes leading to no session-referenced node go first, then the rest (each group least
+        recently used first): a session reference is a preference, never a pin. A node without
+        a host copy is first offered to ``backup`` (write-back); if it still has none it is
+        deleted with its host-only descendants, unless host I/O protects them.
+        Returns the number of device tokens freed (less than asked when too much is locked).
+        """
+        referenced = self.settle_recency()
+        heap = [(n in referenced, n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            *_, node = heapq.heappop(heap)
+            if not self._device_evictable(node):
+                continue
+            if node.host_value is None and backup is not None:
+                backup(node)
+            assert node.device_value is not None
+            size, parent = len(node.key), node.parent
+            if node.host_value is not None:
+                self._free_device(node.device_value)
+                node.device_value = None
+            elif node.host_ref == 0:
+                self._free_device(node.device_value)
+                node.device_value = None
+                self._delete_subtree(node)
+            else:
+                continue
+            freed += size
+            if parent is not None and self._device_evictable(parent):
+                heapq.heappush(heap, (parent in referenced, parent.last_access, parent.id, parent))
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots; never a node with host I/O in flight or locked.
+
+        Nodes leading to no session-referenced node go first, then the rest (no pinning), each
+        group least recently used first. Unreferenced host-only leaves (the node is deleted) go
+        before host copies of unreferenced device-resident nodes (the node stays on the device);
+        among referenced nodes it is the other way round (see ``_host_rank``).
+        """
+        referenced = self.settle_recency()
+        heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            *_, node = heapq.heappop(heap)
+            if not self._host_evictable(node):
+                continue
+            assert node.host_value is not None
+            freed += len(node.key)
+            self._free_host(node.host_value)
+            node.host_value = None
+            if node.device_value is None:
+                parent = node.parent
+                self._delete_subtree(node)
+                if parent is not None and self._host_evictable(parent):
+                    heapq.heappush(heap, self._host_rank(parent, referenced))
+        return freed
+
+    def drop_host_value(self, node: TreeNode) -> None:
+        """Free ``node``'s host copy now (buffer-only staging done); prunes it if nothing is left."""
+        if node.host_value is not None:
+            self._free_host(node.host_value)
+            node.host_value = None
+        self.prune(node)
+
+    def prune(self, node: TreeNode) -> None:
+        """Delete ``node`` and valueless ancestors that have no children and no references."""
+        while (
+            node is not self.root
+            and node.device_value is None
+            and node.host_value is None
+            and not node.children
+            and node.lock_ref == 0
+            and node.host_ref == 0
+        ):
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[: self.page_size]]
+            self._forget(node, parent)
+            node = parent
+
+    def settle_recency(self) -> set[TreeNode]:
+        """Give every node the latest access time in its subtree; return the session-referenced nodes.
+
+        Every eviction starts here: the tree's own, and a component's (which ranks its holders the
+        same way: unreferenced first, then least recently used).
+
+        Whatever reaches a node went through all its ancestors, so an ancestor was used at least
+        as recently as any descendant. A match stamps only the deepest node it reached (no walk
+        along the path); the path's times are filled in here, once per eviction, which visits
+        every node anyway. Deleted nodes hand their time to their parent (``_forget``).
+
+        A node is referenced when it or a descendant has ``session_refs``: worked out here in
+        the same bottom-up pass, so a session reference costs nothing per match or insert. The
+        set is a snapshot for one eviction: a referenced node deleted during it leaves its
+        ancestors counted as referenced until the next eviction.
+        """
+        referenced: set[TreeNode] = set()
+        for node in reversed(list(self.nodes())):
+            parent = node.parent
+            if parent is not None and parent.last_access < node.last_access:
+                parent.last_access = node.last_access
+            if node.session_refs or node in referenced:
+                referenced.add(node)
+                if parent is not None:
+                    referenced.add(parent)
+        return referenced
+
+    def _device_evictable(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and node.parent is not None
+            and node.device_value is not None
+            and node.lock_ref == 0
+            and not any(c.device_value is not None for c in node.children.values())
+        )
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and node.parent is not None
+            and node.host_value is not None
+            and node.host_ref == 0
+            and node.lock_ref == 0
+            and (node.device_value is not None or not node.children)
+        )
+
+    @staticmethod
+    def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[int, int, float, int, TreeNode]:
+        """Host eviction order. A session will read a referenced node again: dropping only the
+        host copy of one still on the device keeps it cached, deleting a host-only one does not,
+        so referenced nodes lose device-resident host copies first (measured in docs/sessions.md)."""
+        on_device = node.device_value is not None
+        if node in referenced:
+            return (1, 0 if on_device else 1, node.last_access, node.id, node)
+        return (0, 1 if on_device else 0, node.last_access, node.id, node)
+
+    def _delete_subtree(self, node: TreeNode) -> None:
+        """Remove ``node`` (no device copy left) and its descendants, freeing their host copies."""
+        for child in list(node.children.values()):
+            assert child.device_value is None and child.lock_ref == 0 and child.host_ref == 0, child
+            if child.host_value is not None:
+                self._free_host(child.host_value)
+                child.host_value = None
+            self._delete_subtree(child)
+        if node.host_value is not None:
+            self._free_host(node.host_value)
+            node.host_value = None
+        parent = node.parent
+        if parent is not None:
+            del parent.children[node.key[: self.page_size]]
+            self._forget(node, parent)
+        node.children = {}
+
+    def _forget(self, node: TreeNode, parent: TreeNode) -> None:
+        """Detach a deleted (childless) node: drop its pages from the index, keep its access time."""
+        index = self._by_hash
+        for page_hash in self._indexed_hashes(node):
+            del index[page_hash]
+        for component in self.components:
+            component.release(node)
+        if parent.last_access < node.last_access:
+            parent.last_access = node.last_access
+        node.parent = None
