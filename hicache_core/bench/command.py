@@ -99,8 +99,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     shape = dict(PRESETS[args.preset])
     if args.experiment == "branch-backup":
-        # L1 and L2 must hold the shared prefix and two branches (at the default 12,288 tokens
-        # no request restored the prefix, with or without backfill: docs/benchmarks.md).
+        # A prefetch op is capped at half the host pool: at the default 12,288 tokens (96 pages)
+        # it stops short of the 6,400-token branch point, the only boundary with stored state, and
+        # no request restores the prefix (docs/benchmarks.md, branch backup).
         shape["device_tokens"] = max(shape["device_tokens"], BRANCH_BACKUP_DEVICE_TOKENS)
     shape.update({name: getattr(args, name) for name in shape if getattr(args, name) is not None})
     try:
