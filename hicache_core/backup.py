@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass
 
 from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
+from hicache_core.op_thread import OpThread
 from hicache_core.prefetch import SuspectPages
 from hicache_core.radix_tree import TreeNode
 from hicache_core.side_pools import PoolPages
@@ -51,31 +51,26 @@ class StorageBackup:
         self.suspects = suspects
         #: Ops submitted and not taken back yet.
         self.outstanding = 0
-        self._queue: queue.SimpleQueue[BackupOp | None] = queue.SimpleQueue()
+        self._thread: OpThread[BackupOp] = OpThread("hicache-backup")
         self._acks: queue.SimpleQueue[BackupOp] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
 
     def start(self, store: MultiPoolStore, health: StorageHealth, *, writer: bool) -> None:
         """Store ops into ``store`` on a new thread (``writer=False``: acknowledge without storing)."""
-        self._thread = threading.Thread(target=self._loop, args=(store, health, writer), name="hicache-backup", daemon=True)
-        self._thread.start()
+        self._thread.start(lambda op: self._serve(store, health, writer, op))
 
     def stop(self) -> None:
         """Queued ops finish (each call bounded by the storage timeout), then the thread exits."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        self._thread.stop()
 
     @property
     def thread_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread.alive
 
     def submit(self, op: BackupOp) -> None:
         for pages in op.pools:
             pages.pin()
         self.outstanding += 1
-        self._queue.put(op)
+        self._thread.put(op)
 
     def acknowledged(self) -> int:
         """Ops completed and not taken yet (this rank's count; the caller agrees on one)."""
@@ -86,22 +81,18 @@ class StorageBackup:
         self.outstanding -= 1
         return self._acks.get()
 
-    def _loop(self, store: MultiPoolStore, health: StorageHealth, writer: bool) -> None:
-        while True:
-            op = self._queue.get()
-            if op is None:
-                return
-            try:
-                if writer and not health.failed:
-                    self._run(store, health, op)
-            except Exception:  # never let one failure stop later backups
-                log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
-                self.metrics.add(storage_errors=1)
-            finally:
-                # A put that timed out may still read the pages: they stay pinned until it returns.
-                for pages in op.pools:
-                    pages.unpin()
-                self._acks.put(op)
+    def _serve(self, store: MultiPoolStore, health: StorageHealth, writer: bool, op: BackupOp) -> None:
+        try:
+            if writer and not health.failed:
+                self._run(store, health, op)
+        except Exception:  # never let one failure stop later backups
+            log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
+            self.metrics.add(storage_errors=1)
+        finally:
+            # A put that timed out may still read the pages: they stay pinned until it returns.
+            for pages in op.pools:
+                pages.unpin()
+            self._acks.put(op)
 
     def _run(self, store: MultiPoolStore, health: StorageHealth, op: BackupOp) -> None:
         started = time.perf_counter()

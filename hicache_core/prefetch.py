@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +44,7 @@ from hicache_storage.keys import KeyScope, PageKey, page_hashes
 from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
+from hicache_core.op_thread import OpThread
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
 from hicache_core.side_pools import SideFetch, lead_hashes, tiered
@@ -193,8 +193,7 @@ class Prefetcher:
         #: Pages before a cut each component's window needs, and the longest of them.
         self._trailing: dict[str, int] = {}
         self.lead_pages = 0
-        self._queue: queue.SimpleQueue[PrefetchOp | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch")
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = SuspectPages()
 
@@ -204,20 +203,16 @@ class Prefetcher:
         self.storage, self.scope = backend, scope
         self._trailing = {c.name: store.pools[c.name].trailing_pages for c in self.components}
         self.lead_pages = max(self._trailing.values(), default=0)
-        self._thread = threading.Thread(target=self._loop, args=(store, health), name="hicache-prefetch", daemon=True)
-        self._thread.start()
+        self._thread.start(lambda op: self._serve(store, health, op))
 
     def stop(self) -> None:
         """Queued reads finish (each call bounded by the storage timeout), then the thread exits."""
         self.storage = None
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        self._thread.stop()
 
     @property
     def thread_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread.alive
 
     def plan(self, request_id: str, tokens: Sequence[int], match: MatchResult) -> PrefetchOp | None:
         """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold.
@@ -278,7 +273,7 @@ class Prefetcher:
             op.state = PrefetchState.REVOKED
             op.done.set()
         else:
-            self._queue.put(op)
+            self._thread.put(op)
         return True
 
     def _reserve_sides(self, op: PrefetchOp) -> None:
@@ -360,21 +355,17 @@ class Prefetcher:
             if rest.numel():
                 side.component.free_host(rest)
 
-    def _loop(self, store: MultiPoolStore, health: StorageHealth) -> None:
-        while True:
-            op = self._queue.get()
-            if op is None:
-                return
-            try:
-                self._run(store, health, op)
-            except Exception:
-                log.exception("prefetch for request %s failed", op.request_id)
-                self.metrics.add(storage_errors=1)
-            finally:
-                if op.state is PrefetchState.RUNNING:
-                    op.state = PrefetchState.DONE
-                op.first_batch.set()
-                op.done.set()
+    def _serve(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> None:
+        try:
+            self._run(store, health, op)
+        except Exception:
+            log.exception("prefetch for request %s failed", op.request_id)
+            self.metrics.add(storage_errors=1)
+        finally:
+            if op.state is PrefetchState.RUNNING:
+                op.state = PrefetchState.DONE
+            op.first_batch.set()
+            op.done.set()
 
     def _run(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> None:
         assert self.scope is not None and self.host is not None and op.host_indices is not None
