@@ -142,3 +142,34 @@ def test_bad_hybrid_bench_arguments_are_one_line_and_exit_2(capsys, argv, messag
 def test_an_unknown_model_is_refused_by_the_python_api():
     with pytest.raises(ValueError, match="model must be one of reference, modeled, hybrid-swa, hybrid-swa-recurrent"):
         BenchConfig(model="hybrid-mamba")
+
+
+def test_a_load_short_of_device_memory_resumes_where_every_component_accepts(tmp_path):
+    """The controller's fallback when a host prefix cannot be loaded (device memory short) must be
+    a boundary every component accepts: the long-history bench on FULL + SWA + recurrent once
+    started a request on the device part's end, a node without a checkpoint."""
+    shape = HYBRID_SHAPES["hybrid-swa-recurrent"]
+    model = replace(shape.config, window=40, state_dim=64)
+    page = 16
+    config = EngineConfig(
+        model=model, tiers=CacheTiers.L1_L2, page_size=page, device_pages=32, host_pages=64, host_ratio=None,
+        hybrid=HybridPools(draft=False), compute=replace(shape.compute, prefill_tokens_per_s=1e6),
+    )
+    prompt = [random.Random(2).randrange(model.vocab_size) for _ in range(200)]
+    with Engine(config) as engine:
+        engine.serve([Request("a", prompt, 2)])
+        engine.drain()
+        tree = engine.tree
+        match = tree.match_prefix(prompt)
+        leaf = match.device_node
+        assert leaf.end == 192 and engine.runner.checkpoints.present(leaf, device=True)
+        tree.evict_device(len(leaf.key), None)  # the leaf leaves the device; its parent has no checkpoint
+        match = tree.match_prefix(prompt)
+        assert match.device_node is leaf.parent and not engine.runner.checkpoints.present(match.device_node, device=True)
+        resume = tree.resume_point(match.host_node, on_device=False)
+        assert resume is leaf
+        engine.controller.alloc_device = lambda tokens: None  # type: ignore[method-assign]
+        node, load = engine.controller.load_back(match, resume)
+        assert load is None and node is not match.device_node
+        assert node is tree.root or all(c.accepts(node, True) for c in tree.components)
+        tree.unlock(node)
