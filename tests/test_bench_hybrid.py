@@ -23,6 +23,18 @@ TINY_CLI = ["--clients", "3", "--rounds", "2", "--request-length", "192", "--out
             "--stop-policy", "wait_complete"]
 
 
+PAGE = 16
+
+
+def small_recurrent_engine(tiers, **overrides):
+    """The FULL + SWA + recurrent shape with a 40-token window and small checkpoints, modeled."""
+    shape = HYBRID_SHAPES["hybrid-swa-recurrent"]
+    return EngineConfig(
+        model=replace(shape.config, window=40, state_dim=64), tiers=tiers, page_size=PAGE, device_pages=32, host_pages=64,
+        host_ratio=None, hybrid=HybridPools(draft=False), compute=replace(shape.compute, prefill_tokens_per_s=1e6), **overrides,
+    )
+
+
 def bench_cli(tmp_path, *extra):
     return subprocess.run([sys.executable, "-m", "hicache_storage.cli", "bench", *TINY_CLI, *extra, "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
@@ -62,15 +74,11 @@ def test_hybrid_multi_turn_restores_every_pool_from_l3_and_its_bound_counts_them
 def test_the_modeled_runner_moves_what_the_pools_hold(tmp_path):
     """A prompt served, L1 and L2 emptied, the prompt again: the whole-page prefix comes back from
     L3 with exactly its SWA window and its checkpoint (the bytes the pools hold for that boundary)."""
-    shape = HYBRID_SHAPES["hybrid-swa-recurrent"]
-    model = replace(shape.config, window=40, state_dim=64)
-    page = 16
-    config = EngineConfig(
-        model=model, tiers=CacheTiers.L1_L2_L3, page_size=page, device_pages=32, host_pages=64, host_ratio=None,
-        hybrid=HybridPools(draft=False), compute=replace(shape.compute, prefill_tokens_per_s=1e6),
-        storage_backend="file", storage_config={"root": str(tmp_path)},
-        controller=ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=page, stop_policy=StopPolicy.WAIT_COMPLETE)),
+    config = small_recurrent_engine(
+        CacheTiers.L1_L2_L3, storage_backend="file", storage_config={"root": str(tmp_path)},
+        controller=ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=PAGE, stop_policy=StopPolicy.WAIT_COMPLETE)),
     )
+    model, page = config.model, PAGE
     prompt = [random.Random(1).randrange(model.vocab_size) for _ in range(200)]
     with Engine(config) as engine:
         engine.serve([Request("a", prompt, 2)])
@@ -148,13 +156,8 @@ def test_a_load_short_of_device_memory_resumes_where_every_component_accepts(tmp
     """The controller's fallback when a host prefix cannot be loaded (device memory short) must be
     a boundary every component accepts: the long-history bench on FULL + SWA + recurrent once
     started a request on the device part's end, a node without a checkpoint."""
-    shape = HYBRID_SHAPES["hybrid-swa-recurrent"]
-    model = replace(shape.config, window=40, state_dim=64)
-    page = 16
-    config = EngineConfig(
-        model=model, tiers=CacheTiers.L1_L2, page_size=page, device_pages=32, host_pages=64, host_ratio=None,
-        hybrid=HybridPools(draft=False), compute=replace(shape.compute, prefill_tokens_per_s=1e6),
-    )
+    config = small_recurrent_engine(CacheTiers.L1_L2)
+    model = config.model
     prompt = [random.Random(2).randrange(model.vocab_size) for _ in range(200)]
     with Engine(config) as engine:
         engine.serve([Request("a", prompt, 2)])
