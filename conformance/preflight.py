@@ -22,22 +22,18 @@ def check_options(backend: str, config: Any, wrappers: Any) -> None:
     a server that does not answer). Anything else the backend raises while opening is reported
     as a :class:`StorageError` naming the backend.
     """
-    from hicache_storage.registry import resolve
-    from hicache_storage.wrappers import wrap
+    from hicache_storage.spec import open_store, store_spec
 
-    cls = resolve(backend)
+    spec = store_spec(backend, config, wrappers)  # a bad config or wrapper spec: ConfigError, nothing opened
     try:
-        store = cls(config)
+        store = open_store(spec)  # as every clause opens it
     except StorageError:
         raise
     except Exception as exc:  # a connector's own bug or a client library's error: still one line
         raise StorageError(
             f"cannot open the backend with this config: {type(exc).__name__}: {exc}", backend=backend, status=ErrorStatus.PERMANENT
         ) from exc
-    try:
-        store = wrap(store, wrappers)  # on a bad spec, nothing is wrapped and the bare store is closed
-    finally:
-        store.close()
+    store.close()
 
 
 def one_line(message: str) -> str:
