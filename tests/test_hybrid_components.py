@@ -737,8 +737,8 @@ def brute_resume_point(cache: Cache, node: TreeNode, on_device: bool) -> TreeNod
 
 
 class HybridTreeMachine(RuleBasedStateMachine):
-    """Random inserts, matches (splits), boundaries, backups, component state, tombstones, locks
-    and evictions on a tree with SWA, MAMBA and the toy indexer, all pools small enough that
+    """Random inserts, matches (splits), boundaries, backups, component state, tombstones, locks,
+    windows being read and evictions on a tree with SWA, MAMBA and the toy indexer, all pools small enough that
     component allocations evict each other."""
 
     def __init__(self) -> None:
@@ -747,6 +747,7 @@ class HybridTreeMachine(RuleBasedStateMachine):
         self.cache = Cache(window=WINDOW, full_pages=12, swa_pages=8, checkpoints=3, extra=(self.indexer,))
         self.locks: list[TreeNode] = []
         self.protected: list[TreeNode] = []
+        self.reads: list[TreeNode] = []
         # The model of what each slot holds: the token position of an SWA slot, the boundary of
         # a checkpoint, keyed by (tier, slot). Splits must keep every node's state where it was taken.
         self.swa_position: dict[tuple[bool, int], int] = {}
@@ -850,7 +851,10 @@ class HybridTreeMachine(RuleBasedStateMachine):
     @rule(which=st.sampled_from(["swa", "mamba"]), device=st.booleans(), count=st.integers(1, 12))
     def component_pressure(self, which: str, device: bool, count: int) -> None:
         component = self.cache.swa if which == "swa" else self.cache.mamba
-        locked = {id(n) for n in self.cache.tree.nodes() if n.lock_ref or (not device and n.host_ref)}
+        if which == "swa" and device:  # a running request's path may lose SWA KV outside the window it reads
+            locked = {id(n) for n in self.cache.tree.nodes() if self.cache.swa.being_read(n)}
+        else:
+            locked = {id(n) for n in self.cache.tree.nodes() if n.lock_ref or (not device and n.host_ref)}
         kept = {id(n): component.slots(n, device) for n in self.cache.tree.nodes() if id(n) in locked}
         component.evict(count, device)
         for n in self.cache.tree.nodes():
@@ -876,6 +880,23 @@ class HybridTreeMachine(RuleBasedStateMachine):
     @rule()
     def unlock(self) -> None:
         self.cache.tree.unlock(self.locks.pop(0))
+
+    @precondition(lambda self: self.has_nodes and len(self.reads) < 2)
+    @rule(index=st.integers(0, 99))
+    def read_window(self, index: int) -> None:
+        """A request resumes at a node: its path is locked and the window before it is read."""
+        node = self.pick(index)
+        if node.device_value is not None:
+            self.cache.tree.lock(node)
+            self.cache.swa.read(node)
+            self.reads.append(node)
+
+    @precondition(lambda self: self.reads)
+    @rule()
+    def finish_reading(self) -> None:
+        node = self.reads.pop(0)
+        self.cache.swa.unread(node)
+        self.cache.tree.unlock(node)
 
     @precondition(lambda self: self.has_nodes and len(self.protected) < 2)
     @rule(index=st.integers(0, 99))
@@ -916,6 +937,8 @@ class HybridTreeMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         while self.locks:
             self.unlock()
+        while self.reads:
+            self.finish_reading()
         while self.protected:
             self.release_host()
         self.cache.tree.evict_device(1 << 30)

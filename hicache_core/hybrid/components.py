@@ -303,6 +303,10 @@ class SlidingWindow(PooledComponent):
             else:
                 del self._readers[n]
 
+    def being_read(self, node: TreeNode) -> bool:
+        """Whether a running request reads ``node``'s SWA KV (it stays on the device until then)."""
+        return node in self._readers
+
     def _evictable(self, node: TreeNode, device: bool) -> bool:
         if device:
             return node not in self._readers
