@@ -606,13 +606,13 @@ class RoundRobin(BackendWrapper):
         return self.targets[next(self._next) % len(self.targets)]
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
-        return self._target()._exists(keys)
+        return self._target().hook_exists(keys)
 
     def _get_into(self, keys, targets):  # type: ignore[no-untyped-def]
-        return self._target()._get_into(keys, targets)
+        return self._target().hook_get_into(keys, targets)
 
     def _put_from(self, keys, sources):  # type: ignore[no-untyped-def]
-        return self._target()._put_from(keys, sources)
+        return self._target().hook_put_from(keys, sources)
 
 
 def kept_through(kind: str) -> bool:
