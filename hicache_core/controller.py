@@ -46,7 +46,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
-from hicache_core.side_pools import PoolPages, backup_pages, tiered
+from hicache_core.side_pools import PendingCopy, PoolPages, backup_pages, tiered
 from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
 from hicache_core.transfer import CopyDone, LayerLoad, Transfers
@@ -87,6 +87,8 @@ class _PendingWrite:
     #: Where the copied tokens start: a match may split the node before the copy completes,
     #: and the upper parts (its ancestors now) hold host pages of the same copy.
     begin: int
+    #: Components' copies of the node's state started with it (see ``side_pools.PendingCopy``).
+    components: list[PendingCopy] = field(default_factory=list)
 
 
 class CacheController:
@@ -257,12 +259,13 @@ class CacheController:
         done = self.transfers.backup(node.device_value, host_slots)
         begin = node.end - len(node.key)
         node.host_value = host_slots
+        copies: list[PendingCopy] = []
         for component in self.components:
-            component.back_up(node)
+            component.back_up(node, None if wait else copies)
         self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
         if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
-            self._pending_writes.append(_PendingWrite(node, done, True, begin))
+            self._pending_writes.append(_PendingWrite(node, done, True, begin, copies))
             return True
         done.synchronize()
         if self._pending_writes:  # complete, but acknowledged in order after the copies before it
@@ -278,12 +281,14 @@ class CacheController:
         """Apply completed device -> host copies, in order, as many as every rank has completed."""
         ready = 0
         for pending in self._pending_writes:
-            if not pending.done.query():
+            if not pending.done.query() or not all(copy.done.query() for copy in pending.components):
                 break
             ready += 1
         ready = self.tp.scheduler.all_min(ready)
         for _ in range(ready):
             pending = self._pending_writes.popleft()
+            for copy in pending.components:
+                copy.settle(getattr(copy.done, "error", None) is not None)
             if pending.locked:
                 self.tree.unlock(pending.node)
             self._write_completed(pending.node, pending.done, pending.begin)

@@ -22,7 +22,7 @@ of the FULL pool, so it moves with the FULL pages by construction.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +36,16 @@ from hicache_core.radix_tree import TreeNode
 from hicache_core.token_sequence import TokenSequence
 
 
+@dataclass(eq=False)
+class PendingCopy:
+    """A component's device -> host copy running on a copy thread or stream: ``done`` tells when;
+    the caller calls ``settle(failed)`` once, after it completed (the component then lets its
+    device source go, and drops the host copy if it failed)."""
+
+    done: Any
+    settle: Callable[[bool], None]
+
+
 @runtime_checkable
 class TieredComponent(Protocol):
     """A tree component (``radix_tree.Component``) whose state also lives on the host and in L3."""
@@ -45,8 +55,9 @@ class TieredComponent(Protocol):
 
     def pool_spec(self, page_size: int) -> PoolSpec: ...
 
-    def back_up(self, node: TreeNode) -> bool:
-        """Copy ``node``'s device state to the host where the host lacks it; whether it did."""
+    def back_up(self, node: TreeNode, pending: list[PendingCopy] | None = None) -> bool:
+        """Copy ``node``'s device state to the host where the host lacks it; whether it did.
+        With ``pending``, a copy that runs off this thread is appended there, not waited for."""
         ...
 
     def stored_pages(self, node: TreeNode) -> tuple[list[str], list[Any], torch.Tensor] | None:

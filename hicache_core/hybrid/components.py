@@ -40,6 +40,7 @@ from hicache_storage.multipool import HitPolicy, PoolSpec
 from hicache_core.hybrid.memory import KVMemory, SlotMemory, StateMemory
 from hicache_core.pools import PageAllocator
 from hicache_core.radix_tree import RadixTree, TreeNode
+from hicache_core.side_pools import PendingCopy
 
 
 @dataclass
@@ -172,8 +173,13 @@ class PooledComponent:
         """The page hashes naming ``node``'s state in L3, one per value of ``host_buffers``."""
         raise NotImplementedError
 
-    def back_up(self, node: TreeNode) -> bool:
-        """Copy ``node``'s device state to new host slots if the host lacks it; whether it did."""
+    def back_up(self, node: TreeNode, pending: list[PendingCopy] | None = None) -> bool:
+        """Copy ``node``'s device state to new host slots if the host lacks it; whether it did.
+
+        A copy running off this thread is waited for, or, with ``pending``, appended there: its
+        device source is kept (``hold``) until the caller ``settle``s it. The caller keeps the
+        node's host state from being read or evicted until then (it locks the node).
+        """
         copies = self.copies(node)
         if copies is None or copies.device is None or copies.host is not None or self.host_allocator is None:
             return False
@@ -181,9 +187,36 @@ class PooledComponent:
         slots = self.alloc(int(copies.device.numel()), device=False)
         if slots is None:
             return False
-        self.memory.to_host(copies.device, slots)
+        done = self.memory.to_host(copies.device, slots)
         self.set(node, slots, device=False)
+        if done is not None:
+            if pending is None:
+                done.synchronize()
+                self._copied(node, node.end - len(node.key), getattr(done, "error", None) is not None, held=False)
+            else:
+                begin = node.end - len(node.key)
+                self.hold(node)
+                pending.append(PendingCopy(done, lambda failed: self._copied(node, begin, failed, held=True)))
         return True
+
+    def hold(self, node: TreeNode) -> None:
+        """Keep ``node``'s device state while a copy reads it (nothing to do where locks keep it)."""
+
+    def release_hold(self, node: TreeNode) -> None:
+        """Undo one ``hold``."""
+
+    def _copied(self, node: TreeNode, begin: int, failed: bool, *, held: bool) -> None:
+        """A copy of the state of positions ``[begin, node.end)`` to the host completed. A split
+        meanwhile moved part of it into ancestors: each part is settled."""
+        assert self.tree is not None
+        parts = self.tree.path(node) if self.tree.in_tree(node) else [node]
+        for part in parts:
+            if part.end - len(part.key) < begin:
+                continue
+            if held:
+                self.release_hold(part)
+            if failed:  # the host slots hold a partial copy: never serve them
+                self.drop(part, device=False)
 
     def stored_pages(self, node: TreeNode) -> tuple[list[str], list[Any], torch.Tensor] | None:
         """``node``'s host state as L3 pages: hashes, one value each, and the host slots they read."""
@@ -274,7 +307,7 @@ class SlidingWindow(PooledComponent):
         self.tree.boundary(node, max(0, node.end - self.context_tokens) // page_size * page_size)
         window = self.window(node)
         for n in window:
-            self._readers[n] = self._readers.get(n, 0) + 1
+            self.hold(n)
         return window
 
     def materialize(self, node: TreeNode) -> bool:
@@ -297,11 +330,17 @@ class SlidingWindow(PooledComponent):
     def unread(self, node: TreeNode) -> None:
         """A request resuming at ``node`` no longer reads the window before it."""
         for n in self.window(node):
-            left = self._readers[n] - 1
-            if left:
-                self._readers[n] = left
-            else:
-                del self._readers[n]
+            self.release_hold(n)
+
+    def hold(self, node: TreeNode) -> None:
+        self._readers[node] = self._readers.get(node, 0) + 1
+
+    def release_hold(self, node: TreeNode) -> None:
+        left = self._readers[node] - 1
+        if left:
+            self._readers[node] = left
+        else:
+            del self._readers[node]
 
     def being_read(self, node: TreeNode) -> bool:
         """Whether a running request reads ``node``'s SWA KV (it stays on the device until then)."""

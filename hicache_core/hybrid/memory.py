@@ -22,7 +22,9 @@ class SlotMemory(Protocol):
     device_allocator: PageAllocator
     host_allocator: PageAllocator | None
 
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
+        """Start the copy; its completion (``query``, ``synchronize``), or None when it is done."""
+        ...
 
     def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None: ...
 
@@ -43,9 +45,9 @@ class KVMemory:
         self.device_allocator = self.device.allocator
         self.host_allocator = self.host.allocator if self.host is not None else None
 
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         assert self.transfers is not None
-        self.transfers.backup(device_slots, host_slots).synchronize()
+        return self.transfers.backup(device_slots, host_slots)
 
     def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         assert self.transfers is not None
@@ -71,8 +73,9 @@ class StateMemory:
         self.device_allocator = PageAllocator(device_slots, 1)
         self.host_allocator = PageAllocator(host_slots, 1) if host_slots else None
 
-    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+    def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         self.host[host_slots] = self.device[device_slots].cpu()
+        return None
 
     def to_device(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         self.device[device_slots] = self.host[host_slots].to(self.device.device)
