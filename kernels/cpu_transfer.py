@@ -127,6 +127,40 @@ def load_layer(
         rows[:, device_rows] = host_rows[:, _host_row_numbers(hmap, runs.host_rest, layer)]
 
 
+def load(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    geometry: TransferGeometry,
+    *,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+) -> None:
+    """Copy every layer of ``host_kv`` slots ``host_indices`` to ``device_kv`` slots ``device_indices``:
+    one call per run for all layers (a per-layer load makes one per run and layer)."""
+    hmap = geometry.host_rows
+    runs = plan_runs(device_indices, host_indices, hmap.block)
+    device = _device_view(device_kv, geometry)
+    host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
+    run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
+    if hmap.block == 1:
+        # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
+        host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
+        for d, h, n in run_list:
+            np.copyto(device[:, :, d : d + n], host_layers[:, :, h : h + n])
+    else:
+        host_blocks = _block_view(host_rows, geometry)
+        block = hmap.block
+        for d, h, n in run_list:
+            offset = h % block
+            np.copyto(device[:, :, d : d + n], host_blocks[:, h // block, :, offset : offset + n])
+    if runs.device_rest.size:
+        layers = np.arange(geometry.layers, dtype=np.int64)[:, None]
+        device_rows = (layers * geometry.device_slots + runs.device_rest).reshape(-1)
+        host_row_numbers = _host_row_numbers(hmap, runs.host_rest, layers).reshape(-1)
+        rows = device.reshape(geometry.halves, -1, device.shape[-1])
+        rows[:, device_rows] = host_rows[:, host_row_numbers]
+
+
 def backup(
     device_kv: torch.Tensor,
     host_kv: torch.Tensor,

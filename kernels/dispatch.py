@@ -1,7 +1,7 @@
 """The transfer API the HiCache core calls: validate, pick a backend, move the slots.
 
-Two backends implement the same two operations (per-layer load host -> device, all-layer backup
-device -> host) for every :class:`~.layouts.KVLayout`:
+Two backends implement the same operations (per-layer and all-layer load host -> device, all-layer
+backup device -> host) for every :class:`~.layouts.KVLayout`:
 
 * ``"triton"``: one kernel launch per call, reading/writing the (pinned) host pool in place.
   The default when ``device_kv`` is on CUDA and triton imports.
@@ -117,6 +117,38 @@ def load_layer(
             torch_transfer.load_layer(
                 device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx
             )
+    return name
+
+
+def load(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    *,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    layout: KVLayout | str,
+    page_size: int,
+    backend: str | None = None,
+) -> str:
+    """Copy every layer of the listed slots host -> device; returns the backend name used.
+
+    What :func:`load_layer` does for each layer, validated once and, between two CPU tensors,
+    moved in one pass (a small load of many layers, such as a sliding window's, would otherwise
+    pay the per-call cost once per layer). Same shapes and errors as :func:`load_layer`.
+    """
+    geometry = transfer_geometry(device_kv, host_kv, layout, page_size)
+    device_idx, host_idx = _checked_indices(device_indices, host_indices, geometry)
+    name = select_backend(device_kv, host_kv, backend)
+    if device_idx.numel():
+        if name == "triton":
+            device_idx, host_idx = _on_kernel_device(device_kv, device_idx, host_idx)
+            with _on_device(device_kv):
+                for layer in range(geometry.layers):
+                    _triton().load_layer(
+                        device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx
+                    )
+        else:
+            torch_transfer.load(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
     return name
 
 

@@ -53,6 +53,30 @@ def load_layer(
     device_layer.index_copy_(1, device_indices.to(device_kv.device), gathered)
 
 
+def load(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    geometry: TransferGeometry,
+    *,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+) -> None:
+    """Copy every layer of ``host_kv`` slots ``host_indices`` to ``device_kv`` slots ``device_indices``."""
+    if _both_on_cpu(device_kv, host_kv):
+        cpu_transfer.load(device_kv, host_kv, geometry, device_indices=device_indices, host_indices=host_indices)
+        return
+    device_kv, host_kv = _bits(device_kv), _bits(host_kv)
+    # Rows in layer-major order on both sides: layer l's slots, then layer l + 1's.
+    layers = torch.arange(geometry.layers, dtype=torch.int64, device=host_kv.device).unsqueeze(1)
+    host_rows = geometry.host_rows.rows(host_indices.to(host_kv.device).unsqueeze(0), layers).reshape(-1)
+    host_flat = host_kv.view(geometry.halves, geometry.host_rows.rows_per_half, geometry.row_elems)
+    gathered = host_flat.index_select(1, host_rows).to(device_kv.device, non_blocking=True)
+    device_layers = layers.to(device_kv.device) * geometry.device_slots
+    device_rows = (device_layers + device_indices.to(device_kv.device).unsqueeze(0)).reshape(-1)
+    device_flat = device_kv.view(geometry.halves, geometry.layers * geometry.device_slots, geometry.row_elems)
+    device_flat.index_copy_(1, device_rows, gathered)
+
+
 def backup(
     device_kv: torch.Tensor,
     host_kv: torch.Tensor,

@@ -24,6 +24,7 @@ from hicache_storage.kernels import (
     KVLayout,
     backup,
     host_shape,
+    load,
     load_layer,
     reference,
     select_backend,
@@ -141,6 +142,11 @@ def test_torch_backend_matches_copy_per_run_oracle(seed: int) -> None:
             page_size=case.page_size,
         )
         assert used == "torch"
+    loaded_at_once = device_kv.clone()
+    used = load(
+        loaded_at_once, host_kv, device_indices=device_idx, host_indices=host_idx, layout=case.layout, page_size=case.page_size
+    )
+    assert used == "torch"
     backed_up = host_kv.clone()
     backup(
         device_kv,
@@ -151,10 +157,21 @@ def test_torch_backend_matches_copy_per_run_oracle(seed: int) -> None:
         page_size=case.page_size,
     )
     assert torch.equal(as_bits(loaded), as_bits(want_device)), case
+    assert torch.equal(as_bits(loaded_at_once), as_bits(want_device)), case
     assert torch.equal(as_bits(backed_up), as_bits(want_host)), case
     # The transfer moved something: the oracle is not vacuously equal to the input.
     assert not torch.equal(as_bits(loaded), as_bits(device_kv))
     assert not torch.equal(as_bits(backed_up), as_bits(host_kv))
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 6))
+def test_staged_path_for_accelerators_matches_the_oracle(monkeypatch, seed: int) -> None:
+    """The gather/copy/scatter path a device KV off the CPU takes (no Triton), run on CPU tensors."""
+    from hicache_storage.kernels import torch_transfer
+
+    monkeypatch.setattr(torch_transfer, "_both_on_cpu", lambda *_: False)
+    case = random_case(seed)
+    assert_matches_oracle(case, *make_tensors(case))
 
 
 def test_load_layer_touches_only_the_listed_slots_of_that_layer() -> None:
@@ -408,12 +425,15 @@ def assert_matches_oracle(case: Case, device_kv, host_kv, device_idx, host_idx) 
             loaded, host_kv, layer=layer, device_indices=device_idx, host_indices=host_idx,
             layout=case.layout, page_size=case.page_size,
         )
+    loaded_at_once = device_kv.clone()
+    load(loaded_at_once, host_kv, device_indices=device_idx, host_indices=host_idx, layout=case.layout, page_size=case.page_size)
     backed_up = host_kv.clone()
     backup(
         device_kv, backed_up, device_indices=device_idx, host_indices=host_idx,
         layout=case.layout, page_size=case.page_size,
     )
     assert torch.equal(as_bits(loaded), as_bits(want_device)), case
+    assert torch.equal(as_bits(loaded_at_once), as_bits(want_device)), case
     assert torch.equal(as_bits(backed_up), as_bits(want_host)), case
     assert not torch.equal(as_bits(loaded), as_bits(device_kv))
     assert not torch.equal(as_bits(backed_up), as_bits(host_kv))

@@ -47,7 +47,7 @@ if not INTERPRETED:
         assert not re.search(r"\d+ (skipped|failed|error)", output), output
 
 else:
-    from hicache_storage.kernels import KVLayout, backup, host_shape, load_layer, select_backend
+    from hicache_storage.kernels import KVLayout, backup, host_shape, load, load_layer, select_backend
 
     DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn)
 
@@ -122,6 +122,13 @@ else:
                     backend=backend,
                 )
                 assert used == backend
+            loaded_at_once = device_kv.clone()
+            used = load(
+                loaded_at_once, host_kv, device_indices=device_idx, host_indices=host_idx,
+                layout=layout, page_size=page_size, backend=backend,
+            )
+            assert used == backend
+            assert torch.equal(loaded_at_once.view(torch.uint8), loaded.view(torch.uint8)), "load differs from load_layer"
             backed_up = host_kv.clone()
             backup(
                 device_kv,
