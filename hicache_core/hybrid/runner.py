@@ -231,3 +231,5 @@ class HybridRunner:
     def close(self) -> None:
         if self.model is not None:
             self.swa.close()
+            if self.checkpoints is not None:
+                self.states.close()
