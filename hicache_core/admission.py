@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache_core.controller import CacheController
-from hicache_core.prefetch import PrefetchState
+from hicache_core.prefetch import PrefetchOp, PrefetchState
 from hicache_core.radix_tree import RadixTree
 from hicache_core.requests import CacheTiers, EngineCapacityError, EngineConfig, Live, Request
 from hicache_core.token_sequence import TokenSequence
@@ -28,6 +28,10 @@ class Admission:
         self.controller = controller
         self.running = running
         self.waiting: list[Live] = []
+        #: The head of the queue that last failed to get memory, and the memory state then: it
+        #: is not tried again (a failed start costs the scheduler a match and two evictions)
+        #: until a lock, a host copy or a page is given back.
+        self._failed: tuple[Live, tuple[int, ...]] | None = None
 
     def matchable(self, live: Live) -> TokenSequence:
         """The prompt minus its last token: that one is always computed, to produce logits."""
@@ -54,33 +58,35 @@ class Admission:
         """Start waiting requests in order while fewer than ``max_running`` run: each whose
         prefetch is ready by the stop policy (or has none) and for which ``start`` finds device
         memory (``started`` runs right after, before the next is considered); whether any started.
+        Once the head of the queue cannot start (or ``max_running`` run), the requests behind it
+        only take their completed prefetches into the tree (the host capacity those held goes to
+        the reads still planned) and wait.
 
         Raises :class:`EngineCapacityError` if the head of the queue cannot start although
         nothing holds device memory (a leaked lock).
         """
-        admitted = False
+        admitted = blocked = False
         for live in list(self.waiting):
-            if len(self.running) >= self.config.max_running:
-                break
+            blocked = blocked or len(self.running) >= self.config.max_running
             op = live.prefetch
             if op is not None:
                 prefetcher = self.controller.prefetcher
                 assert prefetcher is not None
-                if op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
+                if op.state is PrefetchState.PLANNED:
+                    if prefetcher.try_issue(op) or blocked:
+                        continue
                     if prefetcher.pages_in_flight or self.controller.io_pending or self.running:
                         continue  # host pages come back as those reads, backups and requests end
                     # Nothing in flight will give host pages back (a hung store may hold some for
                     # good): compute rather than wait for a prefetch that cannot start.
-                elif not prefetcher.ready(op):
+                elif not (prefetcher.complete(op) if blocked else prefetcher.ready(op)):
                     continue
-                live.prefetch = None
-                live.storage_tokens = prefetcher.finish(op) or 0
-                self.unpin(live)
-                if live.storage_tokens:
-                    # Hold what was fetched until the request starts: waiting for device memory,
-                    # it would otherwise lose the pages to other requests' host allocations.
-                    live.pinned = self.tree.match_prefix(self.matchable(live)).host_node
-                    self.tree.lock(live.pinned)
+                self._take_prefetch(live, op)
+            if blocked:
+                continue
+            if self._failed == (live, self._memory_epoch()):
+                blocked = True  # nothing was given back since it last failed
+                continue
             if not live.refetched and self.prefix_lost(live):
                 # Part of its cached prefix was evicted while it waited: fetch it back, once.
                 live.refetched = True
@@ -88,11 +94,13 @@ class Admission:
                 if live.prefetch is not None:
                     continue
             if start(live):
+                self._failed = None
                 self.waiting.remove(live)
                 self.running.append(live)
                 admitted = True
                 started(live)
                 continue
+            self._failed = (live, self._memory_epoch())
             if not self.running and not self.controller.io_pending and not self.unpin_waiting():
                 # Nothing holds device memory any more (no request runs, no copy is in flight, no
                 # waiting request pins a prefix), so everything is evictable: check_fits at
@@ -101,8 +109,46 @@ class Admission:
                     f"request {live.request.rid!r} cannot get device memory although nothing else holds any "
                     f"({self.config.device_pages} pages of {self.config.page_size}): this is a bug, please report it"
                 )
-            break
+            blocked = True
         return admitted
+
+    def _memory_epoch(self) -> tuple[int, ...]:
+        """Counts that move whenever memory may have become free or evictable: tree unlocks and
+        host releases, copies and backups applied, and pages given back to any allocator (the
+        tree's pools and components'). The same on every rank (agreed counts, no I/O timing), so
+        ranks skip the same retries."""
+        allocators = [self.controller.device.allocator]
+        if self.controller.host is not None:
+            allocators.append(self.controller.host.allocator)
+        for component in self.tree.components:
+            allocators += [a for a in (getattr(component, "device_allocator", None), getattr(component, "host_allocator", None)) if a]
+        return (self.tree.releases, self.controller.completions, *(a.releases for a in allocators))
+
+    def _take_prefetch(self, live: Live, op: PrefetchOp) -> None:
+        """Finish ``live``'s prefetch: what it read goes into the tree, pinned until the request starts."""
+        prefetcher = self.controller.prefetcher
+        assert prefetcher is not None
+        live.prefetch = None
+        live.storage_tokens = prefetcher.finish(op) or 0
+        self.unpin(live)
+        if live.storage_tokens:
+            # Hold what was fetched until the request starts: waiting for device memory,
+            # it would otherwise lose the pages to other requests' host allocations.
+            live.pinned = self.tree.match_prefix(self.matchable(live)).host_node
+            self.tree.lock(live.pinned)
+        # The host capacity its read held is free now: let the next reads run while this
+        # request loads and computes, not after.
+        self.issue_planned()
+
+    def issue_planned(self) -> None:
+        """Issue waiting requests' rate-limited prefetches, in queue order, while capacity allows."""
+        prefetcher = self.controller.prefetcher
+        if prefetcher is None:
+            return
+        for live in self.waiting:
+            op = live.prefetch
+            if op is not None and op.state is PrefetchState.PLANNED and not prefetcher.try_issue(op):
+                return
 
     def check_fits(self, request: Request) -> None:
         ps = self.config.page_size

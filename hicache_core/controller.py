@@ -118,7 +118,10 @@ class CacheController:
         #: Whether the attached store is still called; a fresh one per attachment.
         self.storage_health: StorageHealth | None = None
         self._pending_writes: deque[_PendingWrite] = deque()
-        self._staged_loads: list[tuple[LayerLoad, list[TreeNode]]] = []
+        #: Device -> host copies and storage backups applied so far (agreed across ranks).
+        self.completions = 0
+        #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
+        self._loads: list[tuple[LayerLoad, TreeNode, list[TreeNode]]] = []
         self._warned_host_too_small = False
         self.prefetcher = (
             Prefetcher(config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages)
@@ -265,6 +268,7 @@ class CacheController:
         self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
         if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
+            self.tree.protect_host(node)  # and the host pages it is written into
             self._pending_writes.append(_PendingWrite(node, done, True, begin, copies))
             return True
         done.synchronize()
@@ -285,12 +289,14 @@ class CacheController:
                 break
             ready += 1
         ready = self.tp.scheduler.all_min(ready)
+        self.completions += ready
         for _ in range(ready):
             pending = self._pending_writes.popleft()
             for copy in pending.components:
                 copy.settle(getattr(copy.done, "error", None) is not None)
             if pending.locked:
                 self.tree.unlock(pending.node)
+                self.tree.release_host(pending.node)
             self._write_completed(pending.node, pending.done, pending.begin)
 
     def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event, begin: int) -> None:
@@ -374,17 +380,22 @@ class CacheController:
             self.metrics.add(load_back_tokens=load.tokens, load_back_bytes=bytes_moved, load_back_seconds=load.seconds)
 
         load = self.transfers.load(device_indices, host_indices, on_done)
-        if self.config.buffer_only and self.storage is not None:
-            self._staged_loads.append((load, nodes))
+        # The lock keeps the nodes; this keeps the host pages the load reads (a locked node's host
+        # copy may otherwise go once its KV is on the device: see ``_host_evictable``).
+        self.tree.protect_host(target)
+        self._loads.append((load, target, nodes))
         return target, load
 
-    def release_staged_loads(self) -> None:
-        """Buffer-only: after the loads are waited for, free the host staging they read."""
-        for load, nodes in self._staged_loads:
+    def loads_done(self) -> None:
+        """The request the loads were for has waited for them (it computed, or gave up its start):
+        their host pages are free to evict again, and in buffer-only mode the staging is freed."""
+        for load, target, nodes in self._loads:
             load.wait_all()
-            for node in nodes:
-                self._drop_staging(node)
-        self._staged_loads.clear()
+            self.tree.release_host(target)
+            if self.config.buffer_only and self.storage is not None:
+                for node in nodes:
+                    self._drop_staging(node)
+        self._loads.clear()
 
     # --- progress ----------------------------------------------------------------------------
 
@@ -393,6 +404,7 @@ class CacheController:
         self._ack_writes()
         backup = self.backup
         ready = self.tp.scheduler.all_min(backup.acknowledged()) if backup is not None else 0
+        self.completions += ready
         for _ in range(ready):
             assert backup is not None
             op = backup.take()

@@ -258,12 +258,16 @@ class Engine:
             self.runner.release(live)
             if load is not None:
                 load.wait_all()
-                self.controller.release_staged_loads()
+                self.controller.loads_done()
+                before = live.device_hit_before_load
+                live.device_hit_before_load = device_hit if before is None else min(before, device_hit)
             self.tree.unlock(live.node)
             live.node = None
             return False
         self.admission.unpin(live)  # its prefix is locked as live.node now
         device_hit = min(device_hit, live.prefix_len)
+        if live.device_hit_before_load is not None:  # what an earlier attempt loaded came from the host
+            device_hit = min(device_hit, live.device_hit_before_load)
         loaded = live.prefix_len - device_hit
         result.cached_device = device_hit
         result.cached_storage = min(inserted, loaded)
@@ -279,7 +283,7 @@ class Engine:
         new_tokens = request.tokens[live.prefix_len :]
         self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
         result.ttft_s = time.perf_counter() - live.submitted
-        self.controller.release_staged_loads()
+        self.controller.loads_done()
         return True
 
     def _started(self, live: Live) -> None:

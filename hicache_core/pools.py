@@ -112,6 +112,10 @@ class PageAllocator:
         self._free_when_unpinned: set[int] = set()
         self._abandoned: dict[int, int] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        #: How many ``free`` calls there were: a caller that failed to allocate may skip retrying
+        #: until this moves. (A page freed under I/O counts as free at once, see ``free_pages``,
+        #: so the end of the I/O, which differs between ranks, need not move it.)
+        self.releases = 0
 
     @property
     def free_pages(self) -> int:
@@ -159,6 +163,7 @@ class PageAllocator:
         """Return the pages covering ``slots`` (whole pages, as ``alloc`` gave them)."""
         pages = self.pages_of(slots)
         with self._lock:
+            self.releases += 1
             for page in pages:
                 if not self._allocated[page]:
                     raise ValueError(f"page {page} freed twice or never allocated")
@@ -209,12 +214,15 @@ class PageAllocator:
                     self._lock.notify_all()
 
     def pages_of(self, slots: torch.Tensor) -> list[int]:
-        if slots.numel() % self.page_size:
-            raise ValueError(f"{slots.numel()} slots is not a whole number of {self.page_size}-slot pages")
-        firsts = slots[:: self.page_size]
-        if bool((firsts % self.page_size).any()):
+        page_size = self.page_size
+        if slots.numel() % page_size:
+            raise ValueError(f"{slots.numel()} slots is not a whole number of {page_size}-slot pages")
+        # One tensor call, then plain Python: on the scheduler thread each tensor call is a
+        # chance for the GIL to go to an I/O thread, which cost more than the arithmetic.
+        firsts = slots[::page_size].tolist()
+        if any(first % page_size for first in firsts):
             raise ValueError("slot lists must start each page at a page boundary")
-        return (firsts // self.page_size).tolist()
+        return [first // page_size for first in firsts]
 
     def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)

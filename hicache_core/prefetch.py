@@ -1,10 +1,11 @@
-"""Storage -> host prefetch: plan, rate-limit, read on the prefetch thread, stop by policy.
+"""Storage -> host prefetch: plan, rate-limit, query and read on the prefetch threads, stop by policy.
 
 A request whose prompt continues past its cached prefix by at least ``threshold_tokens`` gets a
 :class:`PrefetchOp` for the pages after the prefix (keys continue the prefix's hash chain). The
 op is issued when the host pages it needs fit the in-flight capacity; a rate-limited op keeps
-its place and is issued on a later try. The prefetch thread asks the store ``prefix_exists``
-(live, never cached), revokes the op below the threshold, and reads in batches of at most
+its place and is issued on a later try. The query thread asks the store ``prefix_exists``
+(live, never cached) and revokes the op below the threshold, so a request whose pages the store
+lacks does not wait behind other requests' reads; the read thread reads in batches of at most
 ``batch_pages``, each batch's leading successes only, stopping at the first failed batch. A page
 the store reported yet failed to read (corrupted, truncated, gone) is remembered in
 :attr:`Prefetcher.suspects`, so the next backup of that page rewrites it instead of skipping it
@@ -193,6 +194,10 @@ class Prefetcher:
         #: Pages before a cut each component's window needs, and the longest of them.
         self._trailing: dict[str, int] = {}
         self.lead_pages = 0
+        #: Two threads, so that a request whose pages the store lacks learns it at once instead of
+        #: after every read queued before it: one asks the store what it holds (and revokes ops
+        #: below the threshold), in issue order; the other reads, op after op.
+        self._query_thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch-query")
         self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch")
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = SuspectPages()
@@ -203,16 +208,18 @@ class Prefetcher:
         self.storage, self.scope = backend, scope
         self._trailing = {c.name: store.pools[c.name].trailing_pages for c in self.components}
         self.lead_pages = max(self._trailing.values(), default=0)
-        self._thread.start(lambda op: self._serve(store, health, op))
+        self._thread.start(lambda op: self._serve(self._read, store, health, op))
+        self._query_thread.start(lambda op: self._serve(self._query, store, health, op))
 
     def stop(self) -> None:
-        """Queued reads finish (each call bounded by the storage timeout), then the thread exits."""
+        """Queued queries and reads finish (each call bounded by the storage timeout), then the threads exit."""
         self.storage = None
+        self._query_thread.stop()
         self._thread.stop()
 
     @property
     def thread_alive(self) -> bool:
-        return self._thread.alive
+        return self._query_thread.alive and self._thread.alive
 
     def plan(self, request_id: str, tokens: Sequence[int], match: MatchResult) -> PrefetchOp | None:
         """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold.
@@ -273,7 +280,7 @@ class Prefetcher:
             op.state = PrefetchState.REVOKED
             op.done.set()
         else:
-            self._thread.put(op)
+            self._query_thread.put(op)
         return True
 
     def _reserve_sides(self, op: PrefetchOp) -> None:
@@ -290,6 +297,12 @@ class Prefetcher:
         for side in sides:
             side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
         op.sides = sides
+
+    def complete(self, op: PrefetchOp) -> bool:
+        """Whether every rank's thread is done with ``op`` (agreed: MIN of 'done')."""
+        if op.state is PrefetchState.PLANNED:
+            return False
+        return bool(self.tp.scheduler.all_min(int(op.done.is_set())))
 
     def ready(self, op: PrefetchOp) -> bool:
         """Whether the request may stop waiting for ``op``, by the stop policy (agreed: MAX of 'keep waiting')."""
@@ -355,41 +368,67 @@ class Prefetcher:
             if rest.numel():
                 side.component.free_host(rest)
 
-    def _serve(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> None:
+    def _serve(
+        self, step: Callable[[MultiPoolStore, StorageHealth, PrefetchOp], bool], store: MultiPoolStore, health: StorageHealth, op: PrefetchOp
+    ) -> None:
+        """Run one thread's ``step`` of ``op``; unless it handed the op on (True), the op ends here:
+        its remaining pins are released and the scheduler is told."""
+        handed_on = False
         try:
-            self._run(store, health, op)
+            handed_on = step(store, health, op)
         except Exception:
             log.exception("prefetch for request %s failed", op.request_id)
             self.metrics.add(storage_errors=1)
         finally:
-            if op.state is PrefetchState.RUNNING:
-                op.state = PrefetchState.DONE
-            op.first_batch.set()
-            op.done.set()
+            if not handed_on:
+                if op.state is PrefetchState.RUNNING:
+                    op.state = PrefetchState.DONE
+                op.first_batch.set()
+                op.done.set()
 
-    def _run(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> None:
+    def _query(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
+        """Ask the store how much of the op it can restore (every rank agrees on the least); revoke
+        the op below the threshold, else hand it to the reading thread (True)."""
+        assert self.host is not None and op.host_indices is not None
+        lead = len(op.lead_hashes)
+        chain = op.lead_hashes + op.hashes
+        # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
+        skip = op.terminate.is_set() or health.failed
+        try:
+            local_hit = (
+                0
+                if skip
+                else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
+            )
+            # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
+            op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+            if hit * self.page_size >= self.config.threshold_tokens:
+                self._thread.put(op)
+                return True
+            op.state = PrefetchState.REVOKED
+            self.metrics.add(prefetch_revoked=1)
+            return False
+        except BaseException:
+            op.hit_pages = 0
+            raise
+        finally:
+            if op.hit_pages * self.page_size < self.config.threshold_tokens:  # not handed on: nothing reads the slots
+                self.host.allocator.unpin_io(op.host_indices)
+                for side in op.sides:
+                    side.component.host_allocator.unpin_io(side.slots)  # type: ignore[union-attr]
+
+    def _read(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
+        """Read the op's ``hit_pages`` (and its components' pages before the cut) into its host slots."""
         assert self.scope is not None and self.host is not None and op.host_indices is not None
         op.started_at = time.monotonic()
         backend = store.backend
         keys: list[PageKey] = self.scope.keys(op.hashes)
         lead = len(op.lead_hashes)
         chain = op.lead_hashes + op.hashes
-        # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
-        skip = op.terminate.is_set() or health.failed
-        local_hit = (
-            0
-            if skip
-            else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
-        )
-        # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
-        op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+        hit = op.hit_pages
         pinned_from = 0
         abandoned: list[StorageTimeoutError] = []  # a read that may still land in the pages
         try:
-            if hit * self.page_size < self.config.threshold_tokens:
-                op.state = PrefetchState.REVOKED
-                self.metrics.add(prefetch_revoked=1)
-                return
             started = time.perf_counter()
             for side in op.sides:
                 window = side.window(chain, lead, op.start // self.page_size, hit)
@@ -436,6 +475,7 @@ class Prefetcher:
             self.host.allocator.unpin_io_when_settled(op.host_indices[pinned_from:], settling)
             for side in op.sides:
                 side.component.host_allocator.unpin_io_when_settled(side.slots, settling)  # type: ignore[union-attr]
+        return False
 
 
 def _head(tokens: Sequence[int], length: int) -> Sequence[int]:

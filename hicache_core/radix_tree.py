@@ -90,6 +90,8 @@ class RadixTree(TreeEviction):
         # would cost a dictionary insert per token with page size 1.
         self._stride = max(1, index_stride_tokens // page_size)
         self._by_hash: dict[str, TreeNode] = {}
+        #: How many unlocks and host releases there were: what may make memory evictable.
+        self.releases = 0
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -349,6 +351,7 @@ class RadixTree(TreeEviction):
             n.lock_ref += 1
 
     def unlock(self, node: TreeNode) -> None:
+        self.releases += 1
         for n in self._path_up(node):
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n
@@ -359,6 +362,7 @@ class RadixTree(TreeEviction):
             n.host_ref += 1
 
     def release_host(self, node: TreeNode) -> None:
+        self.releases += 1
         for n in self._path_up(node):
             n.host_ref -= 1
             assert n.host_ref >= 0, n

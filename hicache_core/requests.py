@@ -145,6 +145,9 @@ class Live:
     storage_tokens: int = 0
     planned_match: int = 0
     refetched: bool = False
+    #: The device hit before a start attempt that loaded host pages and then found no memory: the
+    #: pages it loaded stay on the device, and a later attempt must not count them as device hits.
+    device_hit_before_load: int | None = None
     #: Locked while the request waits: the prefix its prefetch hangs from, then the pages it fetched.
     pinned: TreeNode | None = None
     session: SessionTicket | None = None

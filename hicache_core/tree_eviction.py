@@ -153,13 +153,16 @@ class TreeEviction:
         )
 
     def _host_evictable(self, node: TreeNode) -> bool:
+        # A locked node on the device may lose its host copy: its request reads the device KV.
+        # Loads and backups reading the host copy protect it (``host_ref``).
+        on_device = node.device_value is not None
         return (
             node is not self.root
             and node.parent is not None
             and node.host_value is not None
             and node.host_ref == 0
-            and node.lock_ref == 0
-            and (node.device_value is not None or not node.children)
+            and (node.lock_ref == 0 or on_device)
+            and (on_device or not node.children)
         )
 
     @staticmethod

@@ -1,0 +1,144 @@
+"""How the engine keeps L3 reads, loads and compute overlapping (issue 16's efficiency work).
+
+* A request whose pages the store lacks learns it at once: the store is asked on its own thread,
+  so the answer does not wait behind another request's reads.
+* Requests that cannot start yet (the head of the queue is short of memory, or ``max_running``
+  run) still take their completed prefetches into the tree, so the host capacity those held goes
+  to the reads still planned.
+* A running request's host copies may be evicted once its KV is on the device (the host pages go
+  to prefetches), never while a load or a device -> host copy uses them.
+* The head of the queue that failed to get memory is not tried again until something was given
+  back (a failed start costs the scheduler a match and two evictions).
+
+Outputs stay bit-identical to no cache throughout (the differential tests cover the policies).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_core.controller import ControllerConfig
+from hicache_core.engine import CacheTiers, Engine, Request
+from hicache_core.prefetch import PrefetchConfig, StopPolicy
+from hicache_core.radix_tree import RadixTree
+
+from test_core_admission import MODEL, engine_config
+
+#: A guard against a hang, never a timing assertion: a step loop gives up after this long.
+DEADLINE_S = 60.0
+
+
+class GatedReads(MemoryBackend):
+    """The in-memory store whose reads wait while ``gate`` is closed (fault injection: a slow read)."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__({"store": store})
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+
+    def _get_into(self, keys, targets):
+        self.reading.set()
+        assert self.gate.wait(DEADLINE_S), "the test never opened the gate"
+        return super()._get_into(keys, targets)
+
+
+def step_until(engine: Engine, done, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        engine.step()
+
+
+def prompt(seed: int, tokens: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (tokens,), generator=generator).tolist()
+
+
+def stored(store: str, *prompts: list[int]) -> None:
+    """Serve ``prompts`` once on a fresh engine so that L3 (the named memory store) holds them."""
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store)) as engine:
+        engine.serve([Request(f"warm-{i}", p, 1) for i, p in enumerate(prompts)])
+        engine.drain()
+
+
+def test_a_request_the_store_cannot_serve_does_not_wait_behind_another_requests_reads():
+    store = f"pipeline-{uuid.uuid4().hex}"
+    history = prompt(1, 40)
+    stored(store, history)
+    backend = GatedReads(store)
+    # Host capacity for both reads at once (a rate-limited op is not asked about until it fits).
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store, host_pages=64), storage=backend) as engine:
+        engine.submit(Request("from-l3", history + prompt(2, 4), 2))
+        assert backend.reading.wait(DEADLINE_S), "the stored history was never read"
+        engine.submit(Request("new", prompt(3, 40), 2))  # long enough to be looked up in L3, not there
+        step_until(engine, lambda: "new" in engine._done, "the new request")
+        assert engine.has_work(), "the request reading from L3 finished although its read is still held"
+        backend.gate.set()
+        step_until(engine, lambda: not engine.has_work(), "the request reading from L3")
+        results = {r.rid: r for r in engine.take_results()}
+    assert results["from-l3"].cached_storage == 40 and results["new"].cached_storage == 0
+
+
+def test_requests_behind_a_blocked_queue_take_their_completed_prefetches_so_the_next_reads_start():
+    store = f"pipeline-{uuid.uuid4().hex}"
+    histories = [prompt(10 + i, 40) for i in range(3)]
+    stored(store, *histories)
+    # One request at a time, and prefetch capacity for one 10-page read at a time.
+    prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE, timeout_base_s=60.0, capacity_pages=10)
+    config = engine_config(CacheTiers.L1_L2_L3, store=store, max_running=1, controller=ControllerConfig(prefetch=prefetch))
+    with Engine(config) as engine:
+        engine.submit(Request("running", prompt(9, 20), 40))  # decodes for a while: the queue is blocked
+        step_until(engine, lambda: bool(engine._running), "the first request to start")
+        for i, history in enumerate(histories):
+            engine.submit(Request(f"waiting-{i}", history + prompt(20 + i, 4), 1))
+        ops = [live.prefetch for live in engine.admission.waiting]
+        # Each read completes and is taken into the tree while the first request still runs, so
+        # the capacity goes to the next read: all three are read before anything else starts.
+        step_until(engine, lambda: all(live.prefetch is None for live in engine.admission.waiting), "the three reads")
+        assert [live.request.rid for live in engine._running] == ["running"]
+        assert all(op.completed_pages == 10 for op in ops)
+        step_until(engine, lambda: not engine.has_work(), "every request")
+        results = {r.rid: r for r in engine.take_results()}
+    assert all(results[f"waiting-{i}"].cached_storage == 40 for i in range(3))
+
+
+def test_a_running_requests_host_copy_may_go_once_on_the_device_but_not_while_read():
+    freed: list[torch.Tensor] = []
+    tree = RadixTree(4, free_device=lambda slots: None, free_host=freed.append)
+    inserted = tree.insert(list(range(8)), torch.arange(8))
+    node = inserted.last_node
+    node.host_value = torch.arange(100, 108)
+    tree.lock(node)  # a running request reads it: on the device
+    tree.protect_host(node)  # a load or a copy still uses the host pages
+    assert tree.evict_host(8) == 0 and node.host_value is not None
+    tree.release_host(node)
+    assert tree.evict_host(8) == 8 and node.host_value is None and node.device_value is not None
+    assert torch.equal(freed[0], torch.arange(100, 108))
+    node.device_value, node.host_value = None, torch.arange(200, 208)  # host only: the lock keeps it
+    assert tree.evict_host(8) == 0 and node.host_value is not None
+
+
+def test_a_head_short_of_memory_is_retried_only_after_something_was_given_back():
+    config = engine_config(CacheTiers.L1_L2, device_pages=12, max_running=2)
+    with Engine(config) as engine:
+        attempts: list[str] = []
+        start = engine._start
+
+        def counted(live):
+            attempts.append(live.request.rid)
+            return start(live)
+
+        engine._start = counted  # type: ignore[method-assign]
+        engine.submit(Request("big-1", prompt(30, 24), 20))  # 11 of the 12 pages
+        engine.submit(Request("big-2", prompt(31, 24), 20))  # cannot start until big-1 ends
+        step_until(engine, lambda: attempts.count("big-2") >= 1, "the second request's first attempt")
+        for _ in range(10):  # decode steps of big-1 give nothing back
+            engine.step()
+        assert attempts.count("big-2") == 1
+        step_until(engine, lambda: not engine.has_work(), "both requests")
+        assert len(engine.take_results()) == 2
