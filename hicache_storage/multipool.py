@@ -36,14 +36,18 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
 from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import BufferLike
 from hicache_storage.errors import ErrorStatus, InvalidArgumentError, InvalidKeyError, StorageError
 from hicache_storage.keys import KeyScope, PageKey
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class HitPolicy(str, enum.Enum):
@@ -129,6 +133,30 @@ def longest_cut(pools: Sequence[PoolSpec], presence: Mapping[str, Sequence[bool]
     return max(c for c, ok in enumerate(accepted) if ok)
 
 
+@dataclass(frozen=True)
+class PoolCuts:
+    """What one :meth:`MultiPoolStore.lookup` found.
+
+    ``cuts``: every cut longer than ``held`` that every pool accepts, ascending. They need not be
+    contiguous: a TRAILING_PAGES pool may accept cut 5 but not 4 (SGLang's
+    ``restorable_prefix_pages``). ``longest`` is the last of them, or ``held`` when there is none.
+
+    ``pool_hits``: each pool's own longest accepted cut (``held`` when it accepts none longer),
+    for each pool asked about every cut up to the prefix the first ALL_PAGES pool holds. A pool
+    asked about fewer (an earlier pool already ruled the later cuts out, and a trailing pool may
+    accept a later cut it was not asked about) or not at all has no entry: its own longest cut is
+    not known.
+    """
+
+    held: int
+    cuts: tuple[int, ...]
+    pool_hits: Mapping[str, int]
+
+    @property
+    def longest(self) -> int:
+        return self.cuts[-1] if self.cuts else self.held
+
+
 class MultiPoolStore:
     """One StorageBackend holding several pools under one KeyScope (``scope.part`` is replaced per pool).
 
@@ -196,31 +224,69 @@ class MultiPoolStore:
         for a caller that already holds every pool's state of the first ``held`` pages' prefix
         except what trailing pools need at a later cut.
 
+        ``lookup(page_hashes, held).longest``: see :meth:`lookup` for the queries it makes.
+        Returns ``held`` when no longer cut is accepted. Errors raise (the core decides what a
+        failed lookup means).
+        """
+        return self.lookup(page_hashes, held).longest
+
+    def lookup(self, page_hashes: Sequence[str], held: int = 0, *, degrade: bool = False) -> PoolCuts:
+        """Every cut of ``page_hashes`` longer than ``held`` that all pools accept, and each pool's
+        own longest accepted cut (see :class:`PoolCuts`).
+
         Asks the ALL_PAGES pools with ``prefix_exists`` from page ``held`` on, each over the
         prefix the previous ones left, then each TRAILING_PAGES pool with one ``exists`` over the
-        pages its window can reach (from ``held - trailing_pages``). Returns ``held`` when no
-        longer cut is accepted. Errors raise (the core decides what a failed lookup means).
+        pages its window can reach (from ``held - trailing_pages``) up to the longest cut the
+        pools before it accept. Stops asking once no cut longer than ``held`` is left.
+
+        Errors raise, unless ``degrade``: then a :class:`~hicache_storage.errors.StorageError`
+        that is not permanent is logged and counts as that pool holding none of the pages asked
+        (so nothing past ``held`` is restorable); a permanent one still raises.
         """
         if isinstance(page_hashes, (str, bytes)):
             raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
         hashes = list(page_hashes)
         if not 0 <= held <= len(hashes):
             raise InvalidArgumentError(f"held must lie in [0, {len(hashes)}] (pages of page_hashes); got {held}")
+        hits: dict[str, int] = {}
+        bound: int | None = None  # the cut the first pool left: a pool asked up to it has a verdict
         limit = len(hashes)
         for spec in self._by_policy(HitPolicy.ALL_PAGES):
             if limit == held:
-                return held
-            limit = held + self.backend.prefix_exists(self.keys(spec.name, hashes[held:limit]))
+                return PoolCuts(held, (), hits)
+            asked = hashes[held:limit]
+            found = self._ask(spec, degrade, len(asked), lambda: self.backend.prefix_exists(self.keys(spec.name, asked)))
+            reach, limit = limit, held + (found or 0)
+            if bound is None:
+                bound = reach = limit
+            if reach == bound:
+                hits[spec.name] = limit
         accepted = [True] * (limit + 1)
         for spec in self._by_policy(HitPolicy.TRAILING_PAGES):
             if limit == held:
-                return held
+                return PoolCuts(held, (), hits)
             first = max(0, held - spec.trailing_pages)
-            present = [False] * first + self.backend.exists(self.keys(spec.name, hashes[first:limit]))
-            accepted = [a and b for a, b in zip(accepted, spec.accepted_cuts(present))]
+            asked = hashes[first:limit]
+            found = self._ask(spec, degrade, len(asked), lambda: self.backend.exists(self.keys(spec.name, asked)))
+            own = spec.accepted_cuts([False] * first + (found or [False] * len(asked)))
+            if limit == bound:
+                hits[spec.name] = max(c for c in range(held, limit + 1) if c == held or own[c])
+            accepted = [a and b for a, b in zip(accepted, own)]
             limit = max([held] + [c for c in range(held, limit + 1) if accepted[c]])
             accepted = accepted[: limit + 1]
-        return limit
+        return PoolCuts(held, tuple(c for c in range(held + 1, limit + 1) if accepted[c]), hits)
+
+    def _ask(self, spec: PoolSpec, degrade: bool, pages: int, query: Callable[[], T]) -> T | None:
+        """``query()``; with ``degrade``, ``None`` for a StorageError that is not permanent (logged)."""
+        try:
+            return query()
+        except StorageError as exc:
+            if not degrade or exc.status is ErrorStatus.PERMANENT:
+                raise
+            logger.warning(
+                "hicache_storage: exists query for pool %s (%d pages) failed, counting them as misses: %s", spec.name, pages, exc
+            )
+            return None
 
     def presence(self, page_hashes: Sequence[str]) -> dict[str, list[bool]]:
         """Every pool's per-page presence over all of ``page_hashes`` (no shortcuts; errors raise)."""

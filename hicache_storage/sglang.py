@@ -59,7 +59,7 @@ from hicache_storage.errors import (
     UnsupportedOperationError,
 )
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
-from hicache_storage.multipool import HitPolicy, PoolSpec
+from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.spec import StoreSpec, open_store, store_spec
 
 logger = logging.getLogger(__name__)
@@ -370,32 +370,23 @@ class HiCacheStorageAdapter(HiCacheStorage):
     ) -> PoolTransferResult:
         """The longest prefix every pool can restore, with SGLang's ``all_pages``/``trailing_pages`` policies.
 
-        The KV prefix bounds the answer; each side pool is then asked over that prefix and votes with
-        its :class:`~hicache_storage.multipool.PoolSpec` (a trailing pool's window is the number of
-        keys it transfers). ``restorable_prefix_pages`` lists every cut all pools accept, since a
-        trailing pool may accept cut 5 but not 4.
+        One :meth:`~hicache_storage.multipool.MultiPoolStore.lookup` over the KV pool and each
+        transfer's pool, each under its own key scope (a trailing pool's window is the number of
+        keys it transfers): the KV prefix bounds the answer, and ``restorable_prefix_pages`` lists
+        every cut all pools accept, since a trailing pool may accept cut 5 but not 4. A pool's own
+        hit is reported when the lookup knows it (see :class:`~hicache_storage.multipool.PoolCuts`)
+        and is not 0. A failed query of a pool counts as that pool holding nothing, unless its
+        error is permanent (then it raises).
         """
-        kv_pages = self.batch_exists(keys, extra_info)
-        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
-        restorable = [True] * (kv_pages + 1)
+        kv = self._require_scope()
+        pools = [PoolSpec(PoolName.KV.value, scope=kv)]
+        # The KV pool is always asked over every key with all_pages; a KV transfer adds nothing.
         for transfer in pool_transfers or []:
-            if not any(restorable[1:]):
-                break
-            spec = _pool_spec(transfer)
-            scope = self._scope_for(transfer.name)
-            try:
-                present = self.backend.exists(self._keys(keys[:kv_pages], scope))
-            except StorageError as exc:
-                if exc.status is ErrorStatus.PERMANENT:
-                    raise
-                logger.warning("hicache_storage: exists query for pool %s failed: %s", transfer.name, exc)
-                present = [False] * kv_pages
-            accepted = spec.accepted_cuts(present)
-            if any(accepted[1:]):
-                hits[str(transfer.name)] = max(c for c, ok in enumerate(accepted) if ok)
-            restorable = [a and b for a, b in zip(restorable, accepted)]
-        ordered = [c for c, ok in enumerate(restorable) if ok and c > 0]
-        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+            if str(transfer.name) != PoolName.KV.value:
+                pools.append(replace(_pool_spec(transfer), scope=self._scope_for(transfer.name)))
+        found = MultiPoolStore(self.backend, kv, pools).lookup([page_hash_of(key) for key in keys], degrade=True)
+        hits = {name: pages for name, pages in found.pool_hits.items() if pages}
+        return PoolTransferResult(found.longest, hits, list(found.cuts))
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None

@@ -21,7 +21,7 @@ from hicache_storage.errors import (
     StorageError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, common_cuts, longest_cut
+from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolCuts, PoolSpec, common_cuts, longest_cut
 
 ALL, TRAILING = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES
 KV = PoolSpec("kv")
@@ -256,6 +256,14 @@ def test_usable_pages_is_the_longest_cut_of_what_is_stored(data: st.DataObject) 
     write(store, presence, chain)
     assert store.presence(chain) == presence
     assert store.usable_pages(chain) == brute_force_cut(pools, presence)
+    found = store.lookup(chain)
+    assert found.cuts == tuple(c for c, ok in enumerate(common_cuts(pools, presence)) if ok and c > 0)
+    first = next(spec.name for spec in pools if spec.hit_policy is ALL)
+    assert (first in found.pool_hits) == (n > 0), "the first ALL_PAGES pool is asked whenever there is a page"
+    bound = found.pool_hits.get(first, 0)  # its prefix: every pool with a verdict was asked up to it
+    for name, hit in found.pool_hits.items():
+        own = store.pools[name].accepted_cuts(presence[name])
+        assert hit == max(c for c in range(bound + 1) if own[c]), f"{name}'s verdict is not its own longest cut"
 
 
 @pytest.mark.parametrize("pool", ["swa", "mamba", "indexer"])
@@ -275,6 +283,61 @@ def test_removing_any_one_side_page_the_full_cut_needs_shortens_the_hit(backend:
         assert usable == brute_force_cut(list(store.pools.values()), presence)
         store.put(pool, [chain[page]], [pool.encode() * 8])
     assert store.usable_pages(chain) == n
+
+
+# --- lookup: every common cut and each pool's own ---------------------------------------------
+
+
+def test_lookup_lists_cut_5_when_a_trailing_pool_rejects_4(backend: MemoryBackend, scope: KeyScope) -> None:
+    store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
+    chain = hashes(7)
+    write(store, {"kv": [True] * 7, "mamba": [i in (1, 4) for i in range(7)], "swa": [True] * 7}, chain)
+    found = store.lookup(chain)
+    assert found == PoolCuts(0, (2, 5), {"kv": 7, "mamba": 5})
+    assert found.longest == store.restorable_pages(chain) == 5
+    # swa was asked only up to cut 5 (mamba ruled 6 and 7 out), so its own longest cut is unknown.
+    assert "swa" not in found.pool_hits
+    assert store.lookup(chain, held=3) == PoolCuts(3, (5,), {"kv": 7, "mamba": 5})
+
+
+def test_lookup_keys_a_pool_with_its_own_scope(backend: MemoryBackend, scope: KeyScope) -> None:
+    half = KeyScope(Namespace(model="hybrid-test", kv_dtype="float16", page_size=16))
+    swa = PoolSpec("swa", TRAILING, trailing_pages=2, scope=half)
+    store = MultiPoolStore(backend, scope, [KV, swa])
+    assert store.keys("swa", hashes(1))[0].scope == half.with_part("swa")
+    chain = hashes(4)
+    write(store, {"kv": [True] * 4, "swa": [False, True, True, False]}, chain)
+    assert store.lookup(chain) == PoolCuts(0, (3,), {"kv": 4, "swa": 3})
+    # The same pages under the store's own scope (another dtype) are not this pool's.
+    default_scope = MultiPoolStore(backend, scope, [KV, PoolSpec("swa", TRAILING, trailing_pages=2)])
+    assert default_scope.lookup(chain) == PoolCuts(0, (), {"kv": 4, "swa": 0})
+    write(default_scope, {"swa": [True] * 4}, chain)
+    assert store.lookup(chain).cuts == (3,)
+
+
+def test_lookup_with_no_hit_asks_only_the_first_pool(backend: MemoryBackend, store: MultiPoolStore) -> None:
+    before = backend.stats()["exists_keys"]
+    found = store.lookup(hashes(5))
+    assert found == PoolCuts(0, (), {"kv": 0}) and found.longest == 0
+    assert backend.stats()["exists_keys"] - before == 5
+    assert store.lookup([]) == PoolCuts(0, (), {}), "no page, nothing asked, no verdict"
+
+
+def test_lookup_degrades_a_retryable_error_to_that_pools_miss(scope: KeyScope, caplog: pytest.LogCaptureFixture) -> None:
+    backend = FailingExists({})
+    store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
+    chain = hashes(4)
+    write(store, {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True] * 4}, chain)
+    backend.failing_parts = frozenset({"mamba"})
+    with pytest.raises(BackendUnavailableError):
+        store.lookup(chain)
+    with caplog.at_level(logging.WARNING, logger="hicache_storage.multipool"):
+        assert store.lookup(chain, degrade=True) == PoolCuts(0, (), {"kv": 4, "mamba": 0})
+    assert "pool mamba" in caplog.text and "connection reset by peer (injected)" in caplog.text
+    permanent = FailingExistsWith({})
+    permanent.error = AuthenticationError("wrong password")
+    with pytest.raises(AuthenticationError):
+        MultiPoolStore(permanent, scope, [KV]).lookup(chain, degrade=True)
 
 
 # --- a failing store ----------------------------------------------------------------------------

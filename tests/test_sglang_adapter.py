@@ -404,6 +404,32 @@ def test_pool_transfers_v2_with_a_side_pool(open_adapter: Any) -> None:
     assert page_bytes(kv_pool, 11) == page_bytes(kv_pool, 5) != page_bytes(swa_pool, 5)
 
 
+def test_v2_lookup_asks_each_pool_under_its_own_scope(open_adapter: Any) -> None:
+    """MLA KV is replicated across TP ranks, the mamba state is TP-sharded and of its own dtype:
+    rank 1 sees rank 0's KV but not rank 0's state, and the state's keys carry the float16 dtype."""
+    kv_pools = [make_host_pool("mla", seed=40 + r) for r in range(2)]
+    state_pools = [make_host_pool(dtype=torch.float16, seed=42 + r) for r in range(2)]
+    ranks = [open_adapter(kv_pools[r], Rank(tp_rank=r, tp_size=2, is_mla=True)) for r in range(2)]
+    for rank, state_pool in zip(ranks, state_pools):
+        rank.register_mem_host_pool_v2(state_pool, PoolName.MAMBA)
+    keys = chain(6, salt="scopes")
+    kv = PoolTransfer(name=PoolName.KV, keys=keys, host_indices=host_indices(kv_pools[0], list(range(6))))
+    state = PoolTransfer(name=PoolName.MAMBA, keys=keys[2:3], host_indices=host_indices(state_pools[0], [2]))
+    assert ranks[0].batch_set_v2([kv, state]) == {"kv": [True] * 6, "mamba": [True]}
+
+    query = PoolTransfer(name=PoolName.MAMBA, keys=keys[2:3], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    mine = ranks[0].batch_exists_v2(keys, [query])
+    assert (mine.kv_hit_pages, mine.restorable_prefix_pages, mine.extra_pool_hit_pages) == (3, [3], {"kv": 6, "mamba": 3})
+    other = ranks[1].batch_exists_v2(keys, [query])
+    assert (other.kv_hit_pages, other.restorable_prefix_pages, other.extra_pool_hit_pages) == (0, [], {"kv": 6})
+
+    scope = ranks[0]._scope_for(PoolName.MAMBA)
+    assert (scope.namespace.kv_dtype, scope.shard.replicated, scope.part) == ("float16", False, "mamba")
+    assert ranks[0].backend.exists(scope.keys([page_hash_of(keys[2])])) == [True]
+    # Page 5 is stored in the KV pool only: under the state's scope its hash names nothing.
+    assert ranks[0].backend.exists([ranks[0].scope.key(page_hash_of(keys[5])), scope.key(page_hash_of(keys[5]))]) == [True, False]
+
+
 def test_get_stats_has_sglang_shape_and_resets_on_read(open_adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang asserts ``isinstance(stats, StorageMetrics)``; its module cannot import on this CPU box
     (see the module docstring), so the class is stood in with SGLang's four fields."""
