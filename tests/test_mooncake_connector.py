@@ -23,6 +23,7 @@ from hicache_storage.conformance import ConformanceTests
 from hicache_storage.errors import BackendUnavailableError, ConfigError, StorageTimeoutError
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.testing.mooncake_master import MooncakeMaster
+from reused_store import ReusedStore
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
 from hicache_storage.connectors.mooncake import MooncakeBackend, MooncakeConfig  # noqa: E402
@@ -30,7 +31,9 @@ from hicache_storage.connectors.mooncake import MooncakeBackend, MooncakeConfig 
 pytestmark = pytest.mark.services
 
 
-class TestMooncakeConformance(ConformanceTests):
+class TestMooncakeConformance(ReusedStore, ConformanceTests):
+    """One client serves every clause that leaves it as it was (closing one takes a second)."""
+
     backend = "mooncake"
 
     @pytest.fixture

@@ -12,6 +12,7 @@ from hicache_storage import create_backend
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.wrappers import unwrap, wrap
+from reused_store import ReusedStore
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -53,8 +54,9 @@ def test_integrity_reads_into_a_registered_pool_are_zero_copy(mooncake_master, t
         store.close()
 
 
-@pytest.mark.slow  # about 90 s: each Mooncake client takes a second to close
-class TestRecommendedStackOnMooncakeConformance(ConformanceTests):
+class TestRecommendedStackOnMooncakeConformance(ReusedStore, ConformanceTests):
+    """One stack serves every clause that leaves it as it was (closing its client takes a second)."""
+
     backend = "mooncake"
     wrappers = [{"kind": "integrity"}, {"kind": "timeout", "seconds": 60}, {"kind": "retry", "base_seconds": 0.01}, {"kind": "metrics"}]
 
