@@ -5,6 +5,10 @@ failing clause): a cheap single-operation bug with ``--quick`` (whose clauses th
 too, so the full suite fails it as well), every other bug with the full suite.
 scripts/mutation_study.py runs the same study without ``-x`` and publishes, per bug, every clause
 that catches it (docs/conformance/mutation-study.md).
+
+The runs of one kind share a process or two (tests/conformance_runs.py calls the CLI's ``main``
+once per run): the CLI's start costs seconds, more than most runs. Every run is still its own
+conformance session with its own report; each test checks one run's exit status and report.
 """
 
 import json
@@ -18,21 +22,70 @@ import pytest
 from broken_backends import MUTANTS
 
 TESTS = Path(__file__).parent
+QUICK = [name for name, mutant in MUTANTS.items() if mutant.quick]
+FULL = [name for name, mutant in MUTANTS.items() if not mutant.quick]
+NAMED = [
+    ("LyingExists", ["test_misses_are_per_key", "test_prefix_exists[hole-at-head]", "test_isolation[tenant]"]),
+    ("IgnoresTenant", ["test_isolation[tenant]", "test_near_identities_are_distinct[tenant-case-get]"]),
+    ("CaseFoldedKeys", ["test_near_identities_are_distinct[tenant-case-exists]", "test_backdoor_sees_what_put_stored"]),
+    ("TruncatedHashKeys", ["test_keys_that_prefix_each_other_are_distinct[get]", "test_backdoor_sees_what_put_stored"]),
+    ("ExistsByPrefix", ["test_keys_that_prefix_each_other_are_distinct[exists]"]),
+    ("FirstWriteWins", ["test_duplicate_keys_last_write_wins"]),
+    ("DropsLargeValues", ["test_roundtrip_realistic_page_size[20MiB]"]),
+    ("CapacityEvictsHead", ["test_capacity_is_kept_and_a_prefix_keeps_its_head"]),
+    ("ExistsKeyByKey", ["test_native_batch_exists_is_one_call_per_batch"]),
+    ("StagedZeroCopyRead", ["test_zero_copy_read_fills_the_target_itself"]),
+]
 
 
-def run_suite(target: str, tmp_path: Path, *extra: str) -> dict:
+def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -> dict[str, dict]:
+    """Run ``hicache-storage conformance broken_backends:<mutant> <extra>`` for each entry of
+    ``runs`` (name: [mutant, *extra]), the runs dealt out to ``processes`` processes; per name: its
+    exit status, the tail of its output and its report (``None`` where its process stopped before
+    that run ended)."""
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "hicache_storage.cli", "conformance", target, "--report-dir", str(tmp_path), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    report = json.loads((tmp_path / target.replace(":", "-")).with_suffix(".json").read_text())
-    assert result.returncode != 0, f"the suite passed a broken backend:\n{result.stdout[-2000:]}"
-    assert not report["ok"]
-    return {r["clause"]: r["outcome"] for r in report["results"]}
+    argvs = {}
+    for name, (mutant, *extra) in runs.items():
+        (tmp_path / name).mkdir()
+        argvs[name] = ["conformance", f"broken_backends:{mutant}", "--report-dir", str(tmp_path / name), *extra]
+    names = list(argvs)
+    shares = [{name: argvs[name] for name in names[i::processes]} for i in range(processes)]
+    started = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / "conformance_runs.py"), str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in shares
+    ]
+    ended, stderr = {}, {}
+    for process, share in zip(started, shares):
+        try:
+            out, err = process.communicate(json.dumps(share), timeout=300 * len(share))
+        finally:
+            process.kill()
+        ended |= {line["name"]: line["exit"] for line in map(json.loads, out.splitlines())}
+        stderr |= dict.fromkeys(share, err)
+    results = {}
+    for name, (mutant, *_) in runs.items():
+        log = tmp_path / f"{name}.log"
+        output = log.read_text() if log.exists() else ""
+        if name not in ended:
+            output += f"\n[the process running this suite stopped before it ended]\n{stderr[name][-3000:]}"
+        report_file = tmp_path / name / f"broken_backends-{mutant}.json"
+        report = json.loads(report_file.read_text()) if name in ended and report_file.exists() else None
+        results[name] = {"exit": ended.get(name), "output": output, "report": report}
+    return results
+
+
+def outcomes_of(run: dict) -> dict[str, str]:
+    assert run["report"] is not None, f"no report was written:\n{run['output'][-3000:]}"
+    assert run["exit"] != 0, f"the suite passed a broken backend:\n{run['output'][-2000:]}"
+    assert not run["report"]["ok"]
+    return {r["clause"]: r["outcome"] for r in run["report"]["results"]}
 
 
 def assert_caught(outcomes: dict[str, str], name: str) -> None:
@@ -41,36 +94,43 @@ def assert_caught(outcomes: dict[str, str], name: str) -> None:
     assert failed, f"{name}: no clause failed (errors in {errors[:3]}); a mutant must fail a clause, not crash the run"
 
 
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory) -> dict[str, dict]:
+    """Single-operation bugs: deterministic, so two processes share the runs."""
+    return run_suites({name: [name, "--quick", "-x"] for name in QUICK}, tmp_path_factory.mktemp("quick"), processes=2)
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory) -> dict[str, dict]:
+    """Races among them: one run at a time, each with the machine to itself, as the clauses expect."""
+    return run_suites({name: [name, "-x"] for name in FULL}, tmp_path_factory.mktemp("full"))
+
+
+@pytest.fixture(scope="module")
+def named_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every clause named for a bug runs (no -x), and only those (-k)."""
+    return run_suites(
+        {broken: [broken, "--quick", "-k", " or ".join(c.split("[")[0] for c in must_fail)] for broken, must_fail in NAMED},
+        tmp_path_factory.mktemp("named"),
+    )
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name, mutant in MUTANTS.items() if not mutant.quick])
-def test_full_suite_catches(tmp_path, name):
-    assert_caught(run_suite(f"broken_backends:{name}", tmp_path, "-x"), name)
+@pytest.mark.parametrize("name", FULL)
+def test_full_suite_catches(full_runs, name):
+    assert_caught(outcomes_of(full_runs[name]), name)
 
 
-@pytest.mark.parametrize("name", [name for name, mutant in MUTANTS.items() if mutant.quick])
-def test_quick_suite_catches(tmp_path, name):
+@pytest.mark.parametrize("name", QUICK)
+def test_quick_suite_catches(quick_runs, name):
     """A cheap bug fails --quick; the full suite runs every quick clause too, so it fails as well."""
-    assert_caught(run_suite(f"broken_backends:{name}", tmp_path, "--quick", "-x"), name)
+    assert_caught(outcomes_of(quick_runs[name]), name)
 
 
-@pytest.mark.parametrize(
-    "broken, must_fail",
-    [
-        ("LyingExists", ["test_misses_are_per_key", "test_prefix_exists[hole-at-head]", "test_isolation[tenant]"]),
-        ("IgnoresTenant", ["test_isolation[tenant]", "test_near_identities_are_distinct[tenant-case-get]"]),
-        ("CaseFoldedKeys", ["test_near_identities_are_distinct[tenant-case-exists]", "test_backdoor_sees_what_put_stored"]),
-        ("TruncatedHashKeys", ["test_keys_that_prefix_each_other_are_distinct[get]", "test_backdoor_sees_what_put_stored"]),
-        ("ExistsByPrefix", ["test_keys_that_prefix_each_other_are_distinct[exists]"]),
-        ("FirstWriteWins", ["test_duplicate_keys_last_write_wins"]),
-        ("DropsLargeValues", ["test_roundtrip_realistic_page_size[20MiB]"]),
-        ("CapacityEvictsHead", ["test_capacity_is_kept_and_a_prefix_keeps_its_head"]),
-        ("ExistsKeyByKey", ["test_native_batch_exists_is_one_call_per_batch"]),
-        ("StagedZeroCopyRead", ["test_zero_copy_read_fills_the_target_itself"]),
-    ],
-)
-def test_named_clauses_catch_their_bug(tmp_path, broken, must_fail):
+@pytest.mark.parametrize("broken, must_fail", NAMED)
+def test_named_clauses_catch_their_bug(named_runs, broken, must_fail):
     """The clause written for a bug is among those that catch it (every clause runs here, no -x)."""
-    outcomes = run_suite(f"broken_backends:{broken}", tmp_path, "--quick", "-k", " or ".join(c.split("[")[0] for c in must_fail))
+    outcomes = outcomes_of(named_runs[broken])
     for clause in must_fail:
         assert outcomes[clause] == "failed", f"{clause} did not fail for {broken}: {outcomes[clause]}"
 
