@@ -229,8 +229,22 @@ class CacheController:
                 continue
             if node.device_value is None or policy is WritePolicy.WRITE_BACK:
                 continue
+            if node.stored and self.storage is not None and not self._unsaved_component_state(node):
+                # Its host copy was evicted after it reached L3 (a running request's copy gives
+                # way to prefetches): copying it again would only find it stored.
+                continue
             if policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
                 self.write_to_host(node)
+
+    def _unsaved_component_state(self, node: TreeNode) -> bool:
+        """Whether a component holds state of ``node`` on the device that the host lacks (a
+        component that cannot tell is assumed to)."""
+        for component in self.components:
+            copies = getattr(component, "copies", None)
+            state = copies(node) if copies is not None else True
+            if state is True or (state is not None and state.device is not None and state.host is None):
+                return True
+        return False
 
     def _backfill(self, node: TreeNode) -> None:
         """Back up components' state that appeared on ``node`` after its FULL KV was backed up."""
@@ -327,14 +341,17 @@ class CacheController:
             kv = PoolPages(self.scope.part, list(node.page_hashes), self.host.segments_for(slots), slots, self.host.allocator, True)
             pools.insert(0, kv)
         self.tree.protect_host(node)
+        if full:
+            node.stored = True
         assert self.backup is not None
         self.backup.submit(BackupOp(node, pools))
 
-    def _drop_staging(self, node: TreeNode) -> None:
-        """Buffer-only: the host copy was only staging; free it once nothing reads it."""
+    def _drop_staging(self, node: TreeNode, *, components: bool = True) -> None:
+        """Buffer-only: the host copy was only staging; free it once nothing reads it (with
+        ``components=False`` the components' host state stays: it may be their only copy)."""
         # A locked node is in use by a request: its host copy may go once the device holds the KV.
         if node.host_value is not None and node.host_ref == 0 and (node.device_value is not None or node.lock_ref == 0):
-            for component in self.components:
+            for component in self.components if components else ():
                 component.drop(node, device=False)
             self.tree.drop_host_value(node)
 
@@ -386,15 +403,18 @@ class CacheController:
         self._loads.append((load, target, nodes))
         return target, load
 
-    def loads_done(self) -> None:
-        """The request the loads were for has waited for them (it computed, or gave up its start):
-        their host pages are free to evict again, and in buffer-only mode the staging is freed."""
+    def loads_done(self, *, used: bool = True) -> None:
+        """The request the loads were for has waited for them: their host pages are free to evict
+        again, and in buffer-only mode the FULL staging they read is freed. ``used``: the request
+        computed from them, so its components' staging goes too; a request that gave up its start
+        (no memory) keeps that, as a component's state (a checkpoint) may live only there until
+        the request starts."""
         for load, target, nodes in self._loads:
             load.wait_all()
             self.tree.release_host(target)
             if self.config.buffer_only and self.storage is not None:
                 for node in nodes:
-                    self._drop_staging(node)
+                    self._drop_staging(node, components=used)
         self._loads.clear()
 
     # --- progress ----------------------------------------------------------------------------

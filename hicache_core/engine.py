@@ -258,7 +258,7 @@ class Engine:
             self.runner.release(live)
             if load is not None:
                 load.wait_all()
-                self.controller.loads_done()
+                self.controller.loads_done(used=False)
                 before = live.device_hit_before_load
                 live.device_hit_before_load = device_hit if before is None else min(before, device_hit)
             self.tree.unlock(live.node)

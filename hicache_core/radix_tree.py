@@ -227,6 +227,7 @@ class RadixTree(TreeEviction):
                 pages = host_indices[step.end - len(step.key) - start : step.end - start]
                 if step.device_value is None and step.host_value is None:
                     step.host_value = pages.clone()
+                    step.stored = True
                     inserted += len(step.key)
                 else:
                     unused.append(pages)
@@ -236,6 +237,7 @@ class RadixTree(TreeEviction):
         if node.end < len(tokens):
             leaf = self._new_leaf(node, tokens, now)
             leaf.host_value = host_indices[node.end - start :].clone()
+            leaf.stored = True
             inserted += len(tokens) - node.end
         return HostInsertResult(inserted, unused)
 
@@ -322,6 +324,7 @@ class RadixTree(TreeEviction):
         pages = length // self.page_size
         upper = TreeNode(child.key[:length], child.parent, child.page_hashes[:pages], child.last_access, child.end - len(child.key) + length)
         upper.lock_ref, upper.host_ref, upper.hit_count = child.lock_ref, child.host_ref, child.hit_count
+        upper.stored = child.stored
         if child.device_value is not None:
             upper.device_value, child.device_value = child.device_value[:length], child.device_value[length:]
         if child.host_value is not None:

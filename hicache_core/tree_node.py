@@ -53,6 +53,7 @@ class TreeNode:
         "last_access",
         "components",
         "session_refs",
+        "stored",
     )
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float, end: int = 0) -> None:
@@ -74,6 +75,8 @@ class TreeNode:
         self.components: dict[str, object] = {}
         #: Sessions referencing this node directly (see :mod:`hicache_core.sessions`).
         self.session_refs = 0
+        #: Its pages were handed to L3 (a storage backup was queued) or read from it.
+        self.stored = False
 
     @property
     def last_hash(self) -> str | None:

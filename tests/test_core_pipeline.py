@@ -9,6 +9,8 @@
   to prefetches), never while a load or a device -> host copy uses them.
 * The head of the queue that failed to get memory is not tried again until something was given
   back (a failed start costs the scheduler a match and two evictions).
+* A node whose pages already reached L3 is not copied to the host again when a request extending
+  it finishes (its host copy went to make room): only the new pages are.
 
 Outputs stay bit-identical to no cache throughout (the differential tests cover the policies).
 """
@@ -142,3 +144,18 @@ def test_a_head_short_of_memory_is_retried_only_after_something_was_given_back()
         assert attempts.count("big-2") == 1
         step_until(engine, lambda: not engine.has_work(), "both requests")
         assert len(engine.take_results()) == 2
+
+
+def test_a_node_already_in_l3_is_not_copied_to_the_host_again_after_its_host_copy_went():
+    store = f"pipeline-{uuid.uuid4().hex}"
+    first = prompt(40, 40)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store)) as engine:
+        engine.serve([Request("first", first, 1)])
+        engine.drain()
+        stored_pages = engine.metrics.snapshot()["host_backup_pages"]
+        engine.tree.evict_host(1 << 30)  # the host copies go; the KV stays on the device and in L3
+        result = engine.serve([Request("longer", first + prompt(41, 12), 1)])[0]
+        engine.drain()
+        backed_up = engine.metrics.snapshot()["host_backup_pages"] - stored_pages
+    assert result.cached_device == 40
+    assert backed_up == 3, "only the three new pages are copied to the host (and stored)"
