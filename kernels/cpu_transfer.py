@@ -25,7 +25,7 @@ Tensors are viewed as bytes: values are never converted (NaN payloads and float8
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -137,28 +137,8 @@ def load(
 ) -> None:
     """Copy every layer of ``host_kv`` slots ``host_indices`` to ``device_kv`` slots ``device_indices``:
     one call per run for all layers (a per-layer load makes one per run and layer)."""
-    hmap = geometry.host_rows
-    runs = plan_runs(device_indices, host_indices, hmap.block)
-    device = _device_view(device_kv, geometry)
-    host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
-    run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
-    if hmap.block == 1:
-        # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
-        host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
-        for d, h, n in run_list:
-            np.copyto(device[:, :, d : d + n], host_layers[:, :, h : h + n])
-    else:
-        host_blocks = _block_view(host_rows, geometry)
-        block = hmap.block
-        for d, h, n in run_list:
-            offset = h % block
-            np.copyto(device[:, :, d : d + n], host_blocks[:, h // block, :, offset : offset + n])
-    if runs.device_rest.size:
-        layers = np.arange(geometry.layers, dtype=np.int64)[:, None]
-        device_rows = (layers * geometry.device_slots + runs.device_rest).reshape(-1)
-        host_row_numbers = _host_row_numbers(hmap, runs.host_rest, layers).reshape(-1)
-        rows = device.reshape(geometry.halves, -1, device.shape[-1])
-        rows[:, device_rows] = host_rows[:, host_row_numbers]
+    runs = plan_runs(device_indices, host_indices, geometry.host_rows.block)
+    _all_layers(_device_view(device_kv, geometry), _rows(host_kv, geometry.halves, geometry.host_rows.rows_per_half), geometry, runs, to_host=False)
 
 
 def backup(
@@ -174,28 +154,41 @@ def backup(
     runs = plan_runs(device_indices, host_indices, hmap.block)
     device = _device_view(device_kv, geometry)
     host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
-    run_list = zip(runs.device_starts, runs.host_starts, runs.lengths)
     interleaved = hmap.block == 1 and hmap.layer_stride == 1  # page_first: a slot's layers side by side
     word = _word_bytes(device_kv, host_kv, device.shape[-1]) if interleaved else None
-    if word is not None:
-        _backup_interleaved(device_kv, host_kv, geometry, runs, word)
-    elif hmap.block == 1:
+    if word is None:
+        _all_layers(device, host_rows, geometry, runs, to_host=True)
+        return
+    _backup_interleaved(device_kv, host_kv, geometry, runs, word)
+    if runs.device_rest.size:
+        _all_layers(device, host_rows, geometry, replace(runs, device_starts=[], host_starts=[], lengths=[]), to_host=True)
+
+
+def _all_layers(device: np.ndarray, host_rows: np.ndarray, geometry: TransferGeometry, runs: Runs, *, to_host: bool) -> None:
+    """Copy every layer of ``runs`` between the device view and the host rows, one way or the
+    other: one ``numpy.copyto`` per run, then the short runs' rows with one gather and scatter."""
+    hmap = geometry.host_rows
+    if hmap.block == 1:
         # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
         host_layers = _slot_view(host_rows, geometry).transpose(0, 2, 1, 3)
-        for d, h, n in run_list:
-            np.copyto(host_layers[:, :, h : h + n], device[:, :, d : d + n])
+        host_runs = (host_layers[:, :, h : h + n] for h, n in zip(runs.host_starts, runs.lengths))
     else:
-        host_blocks = _block_view(host_rows, geometry)
-        block = hmap.block
-        for d, h, n in run_list:
-            offset = h % block
-            np.copyto(host_blocks[:, h // block, :, offset : offset + n], device[:, :, d : d + n])
+        host_blocks, block = _block_view(host_rows, geometry), hmap.block
+        host_runs = (host_blocks[:, h // block, :, h % block : h % block + n] for h, n in zip(runs.host_starts, runs.lengths))
+    for d, n, host in zip(runs.device_starts, runs.lengths, host_runs):
+        if to_host:
+            np.copyto(host, device[:, :, d : d + n])
+        else:
+            np.copyto(device[:, :, d : d + n], host)
     if runs.device_rest.size:
         layers = np.arange(geometry.layers, dtype=np.int64)[:, None]
         device_rows = (layers * geometry.device_slots + runs.device_rest).reshape(-1)
         host_row_numbers = _host_row_numbers(hmap, runs.host_rest, layers).reshape(-1)
         rows = device.reshape(geometry.halves, -1, device.shape[-1])
-        host_rows[:, host_row_numbers] = rows[:, device_rows]
+        if to_host:
+            host_rows[:, host_row_numbers] = rows[:, device_rows]
+        else:
+            rows[:, device_rows] = host_rows[:, host_row_numbers]
 
 
 def _backup_interleaved(

@@ -32,6 +32,7 @@ import functools
 import logging
 import operator
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -102,22 +103,15 @@ def load_layer(
     shape ``host_shape(layout, ...)`` gives. Bad shapes, dtypes, layer or indices raise
     ``InvalidArgumentError`` before anything is written.
     """
-    geometry = transfer_geometry(device_kv, host_kv, layout, page_size)
-    layer = _layer_number(layer, geometry.layers)
-    device_idx, host_idx = _checked_indices(device_indices, host_indices, geometry)
-    name = select_backend(device_kv, host_kv, backend)
-    if device_idx.numel():
-        if name == "triton":
-            device_idx, host_idx = _on_kernel_device(device_kv, device_idx, host_idx)
-            with _on_device(device_kv):
-                _triton().load_layer(
-                    device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx
-                )
-        else:
-            torch_transfer.load_layer(
-                device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx
-            )
-    return name
+    def triton(kernels: ModuleType, geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        number = operator.index(layer)  # type: ignore[arg-type]  # validated by _transfer first
+        kernels.load_layer(device_kv, host_kv, geometry, layer=number, device_indices=device_idx, host_indices=host_idx)
+
+    def stock(geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        number = operator.index(layer)  # type: ignore[arg-type]
+        torch_transfer.load_layer(device_kv, host_kv, geometry, layer=number, device_indices=device_idx, host_indices=host_idx)
+
+    return _transfer(device_kv, host_kv, device_indices, host_indices, layout, page_size, backend, triton, stock, layer)
 
 
 def load(
@@ -136,20 +130,14 @@ def load(
     moved in one pass (a small load of many layers, such as a sliding window's, would otherwise
     pay the per-call cost once per layer). Same shapes and errors as :func:`load_layer`.
     """
-    geometry = transfer_geometry(device_kv, host_kv, layout, page_size)
-    device_idx, host_idx = _checked_indices(device_indices, host_indices, geometry)
-    name = select_backend(device_kv, host_kv, backend)
-    if device_idx.numel():
-        if name == "triton":
-            device_idx, host_idx = _on_kernel_device(device_kv, device_idx, host_idx)
-            with _on_device(device_kv):
-                for layer in range(geometry.layers):
-                    _triton().load_layer(
-                        device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx
-                    )
-        else:
-            torch_transfer.load(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
-    return name
+    def triton(kernels: ModuleType, geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        for layer in range(geometry.layers):
+            kernels.load_layer(device_kv, host_kv, geometry, layer=layer, device_indices=device_idx, host_indices=host_idx)
+
+    def stock(geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        torch_transfer.load(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
+
+    return _transfer(device_kv, host_kv, device_indices, host_indices, layout, page_size, backend, triton, stock)
 
 
 def backup(
@@ -166,16 +154,40 @@ def backup(
 
     Same shapes and errors as :func:`load_layer`.
     """
+    def triton(kernels: ModuleType, geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        kernels.backup(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
+
+    def stock(geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        torch_transfer.backup(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
+
+    return _transfer(device_kv, host_kv, device_indices, host_indices, layout, page_size, backend, triton, stock)
+
+
+def _transfer(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    layout: KVLayout | str,
+    page_size: int,
+    backend: str | None,
+    triton: Callable[[ModuleType, TransferGeometry, torch.Tensor, torch.Tensor], None],
+    stock: Callable[[TransferGeometry, torch.Tensor, torch.Tensor], None],
+    layer: object = None,
+) -> str:
+    """Validate (shapes, ``layer`` when given, indices), pick the backend, run its copy; its name."""
     geometry = transfer_geometry(device_kv, host_kv, layout, page_size)
+    if layer is not None:
+        _layer_number(layer, geometry.layers)
     device_idx, host_idx = _checked_indices(device_indices, host_indices, geometry)
     name = select_backend(device_kv, host_kv, backend)
     if device_idx.numel():
         if name == "triton":
             device_idx, host_idx = _on_kernel_device(device_kv, device_idx, host_idx)
             with _on_device(device_kv):
-                _triton().backup(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
+                triton(_triton(), geometry, device_idx, host_idx)
         else:
-            torch_transfer.backup(device_kv, host_kv, geometry, device_indices=device_idx, host_indices=host_idx)
+            stock(geometry, device_idx, host_idx)
     return name
 
 
