@@ -7,11 +7,13 @@ changes and the findings need updating, and passes only while each one still hol
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.errors import ConfigError, StorageError
@@ -50,6 +52,23 @@ class TestSGLangFileConformance(ConformanceTests):
         reason = SGLANG_FILE_FINDINGS.get(request.node.originalname)
         if reason:
             request.applymarker(pytest.mark.xfail(strict=True, reason=f"SGLang finding: {reason}"))
+
+    @pytest.fixture(autouse=True)
+    def _no_shrinking_of_the_known_failure(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        """The state machine clause fails here by design (a finding, xfail strict); Hypothesis then
+        spends about a minute shrinking the failing example, which nobody reads. The clause's own
+        settings leave ``phases`` to the loaded profile, so a profile without shrinking (and the
+        explanation that follows it) keeps every step it runs and its verdict, minus that minute."""
+        if request.node.originalname != "test_state_machine_matches_dict_model":
+            yield
+            return
+        settings.register_profile("before-sglang-findings", settings.default)
+        settings.register_profile("sglang-findings", phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+        settings.load_profile("sglang-findings")
+        try:
+            yield
+        finally:
+            settings.load_profile("before-sglang-findings")
 
 
 def test_pages_sglang_wrote_are_files_named_by_our_key_and_its_suffix(tmp_path: Path) -> None:
