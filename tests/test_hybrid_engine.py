@@ -141,14 +141,27 @@ def test_no_cache_gives_what_the_model_computes_alone() -> None:
     assert result.output_ids == tokens[-NEW_TOKENS:]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize(
-    "tiers, write, stop",
-    [(CacheTiers.L1, WritePolicy.WRITE_THROUGH, StopPolicy.WAIT_COMPLETE)]
-    + [(CacheTiers.L1_L2, write, StopPolicy.WAIT_COMPLETE) for write in WritePolicy]
-    + [(CacheTiers.L1_L2_L3, write, stop) for write in WritePolicy for stop in StopPolicy],
-    ids=lambda v: v.value,
+def alternating_shapes(grid: list[tuple[object, ...]], width: int) -> list[tuple[object, ...]]:
+    """Give each row of a row-major ``width``-wide grid a shape, the two alternating like a
+    checkerboard: every row and every column of the grid then meets both shapes."""
+    names = list(SHAPES)
+    return [(*row, names[(i // width + i % width) % 2]) for i, row in enumerate(grid)]
+
+
+W, S = WritePolicy, StopPolicy
+#: Tier x write x stop x shape, covered pairwise instead of all 26 combinations: the stop policy
+#: acts only with L3 and the write policy only from L2, so those rows carry them. L1 runs both
+#: shapes; L1+L2 every write policy, write-through and write-back (whose runs must restore from
+#: the host) on different shapes; L1+L2+L3 every write x stop pair, the shapes alternating so
+#: that every (write, shape), (stop, shape) and (tier, shape) pair is there too.
+POLICY_MATRIX = (
+    [(CacheTiers.L1, W.WRITE_THROUGH, S.WAIT_COMPLETE, shape) for shape in SHAPES]
+    + alternating_shapes([(CacheTiers.L1_L2, write, S.WAIT_COMPLETE) for write in (W.WRITE_THROUGH, W.WRITE_BACK, W.WRITE_THROUGH_SELECTIVE)], 3)
+    + alternating_shapes([(CacheTiers.L1_L2_L3, write, stop) for write in WritePolicy for stop in StopPolicy], 3)
 )
+
+
+@pytest.mark.parametrize("tiers, write, stop, shape", POLICY_MATRIX, ids=lambda v: getattr(v, "value", v))
 def test_every_tier_write_and_stop_policy_gives_the_uncached_outputs(shape, tiers, write, stop, tmp_path) -> None:
     results = run(config(tiers, str(tmp_path), model=SHAPES[shape], write=write, stop=stop))
     assert_same_outputs(uncached_for(shape), results)
@@ -157,9 +170,12 @@ def test_every_tier_write_and_stop_policy_gives_the_uncached_outputs(shape, tier
         assert sum(r.cached_host for r in results) > 0, "the device pool is small: some prefix must come back from the host"
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("stop", list(StopPolicy))
-@pytest.mark.parametrize("write", [WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK])
+#: Write x stop (write-through and write-back: those back up before the flush) with the shapes
+#: alternating, so every (write, stop), (write, shape) and (stop, shape) pair is there: 6 of 12.
+FLUSH_MATRIX = alternating_shapes([(write, stop) for write in (W.WRITE_THROUGH, W.WRITE_BACK) for stop in StopPolicy], 3)
+
+
+@pytest.mark.parametrize("write, stop, shape", FLUSH_MATRIX, ids=lambda v: getattr(v, "value", v))
 def test_storage_restores_after_flushing_device_and_host(shape, write, stop, tmp_path) -> None:
     results = run(config(CacheTiers.L1_L2_L3, str(tmp_path), model=SHAPES[shape], write=write, stop=stop), flush=True)
     assert_same_outputs(uncached_for(shape), results)
