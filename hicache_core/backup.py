@@ -25,7 +25,7 @@ from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.op_thread import OpThread
-from hicache_core.prefetch import SuspectPages
+from hicache_core.suspects import SuspectPages
 from hicache_core.radix_tree import TreeNode
 from hicache_core.side_pools import PoolPages
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes

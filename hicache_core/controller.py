@@ -46,7 +46,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
-from hicache_core.side_pools import PendingCopy, PoolPages, backup_pages, tiered
+from hicache_core.side_pools import PendingCopy, PoolPages, backup_pages, tiered, unsaved_state
 from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
 from hicache_core.transfer import CopyDone, LayerLoad, Transfers
@@ -229,22 +229,12 @@ class CacheController:
                 continue
             if node.device_value is None or policy is WritePolicy.WRITE_BACK:
                 continue
-            if node.stored and self.storage is not None and not self._unsaved_component_state(node):
+            if node.stored and self.storage is not None and not unsaved_state(node, self.components):
                 # Its host copy was evicted after it reached L3 (a running request's copy gives
                 # way to prefetches): copying it again would only find it stored.
                 continue
             if policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
                 self.write_to_host(node)
-
-    def _unsaved_component_state(self, node: TreeNode) -> bool:
-        """Whether a component holds state of ``node`` on the device that the host lacks (a
-        component that cannot tell is assumed to)."""
-        for component in self.components:
-            copies = getattr(component, "copies", None)
-            state = copies(node) if copies is not None else True
-            if state is True or (state is not None and state.device is not None and state.host is None):
-                return True
-        return False
 
     def _backfill(self, node: TreeNode) -> None:
         """Back up components' state that appeared on ``node`` after its FULL KV was backed up."""

@@ -33,8 +33,7 @@ import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +49,7 @@ from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
 from hicache_core.side_pools import SideFetch, lead_hashes, tiered
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
+from hicache_core.suspects import SuspectPages
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 
@@ -120,48 +120,6 @@ class PrefetchOp:
     @property
     def pages(self) -> int:
         return len(self.hashes)
-
-
-class SuspectPages:
-    """Hashes of pages the store reported yet could not read back: candidates for a rewrite.
-
-    Bounded: past ``capacity`` the oldest are forgotten (their pages stay as they are, as they
-    would without this record). Thread-safe: the prefetch thread adds, the backup thread looks up
-    and forgets.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, got {capacity}")
-        self.capacity = capacity
-        self._hashes: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, hashes: Iterable[str]) -> None:
-        with self._lock:
-            for page_hash in hashes:
-                self._hashes[page_hash] = None
-                self._hashes.move_to_end(page_hash)
-            while len(self._hashes) > self.capacity:
-                self._hashes.popitem(last=False)
-
-    def among(self, hashes: list[str]) -> list[int]:
-        """Indices of the suspect pages in ``hashes``."""
-        with self._lock:
-            return [i for i, page_hash in enumerate(hashes) if page_hash in self._hashes]
-
-    def forget(self, hashes: Iterable[str]) -> None:
-        with self._lock:
-            for page_hash in hashes:
-                self._hashes.pop(page_hash, None)
-
-    def __contains__(self, page_hash: object) -> bool:
-        with self._lock:
-            return page_hash in self._hashes
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._hashes)
 
 
 class Prefetcher:

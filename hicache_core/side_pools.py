@@ -123,6 +123,17 @@ class PoolPages:
         self.allocator.unpin_io_when_settled(self.slots, self.abandoned)
 
 
+def unsaved_state(node: TreeNode, components: Sequence[TieredComponent]) -> bool:
+    """Whether a component holds state of ``node`` on the device that the host lacks (a
+    component that cannot tell is assumed to)."""
+    for component in components:
+        copies = getattr(component, "copies", None)
+        state = copies(node) if copies is not None else True
+        if state is True or (state is not None and state.device is not None and state.host is None):
+            return True
+    return False
+
+
 def backup_pages(node: TreeNode, components: Sequence[TieredComponent]) -> list[PoolPages]:
     """Every component's host state of ``node`` as L3 pages."""
     pages = []
