@@ -274,7 +274,8 @@ class ReferenceTree:
     def _host_evictable(self, node):
         return (
             node is not self.root and node.parent is not None and node.host_value is not None
-            and node.host_ref == 0 and node.lock_ref == 0 and (node.device_value is not None or not node.children)
+            and node.host_ref == 0 and (node.lock_ref == 0 or node.device_value is not None)
+            and (node.device_value is not None or not node.children)
         )
 
     def _delete_subtree(self, node):
