@@ -136,3 +136,38 @@ def test_a_shared_directory_goes_with_the_last_server_running_in_it():
     owner.stop()
     assert not owner.workdir.exists()
 
+
+
+def test_listens_on_names_only_the_servers_own_ports(tmp_path) -> None:
+    """A port another process listens on does not make our server ready (a connect would)."""
+    import socket
+
+    from hicache_storage.testing.process import free_port
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    foreign = listener.getsockname()[1]
+    own = free_port(avoid=[foreign])
+    server = ServerProcess("listener", tmp_path / "srv")
+    program = f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {own})); s.listen(); time.sleep(60)"
+    server.spawn([sys.executable, "-c", program])
+    try:
+        server.wait_ready(lambda: server.listens_on(own), timeout=30)
+        assert not server.listens_on(foreign)
+        assert not server.listens_on(own, foreign)
+    finally:
+        server.stop()
+        listener.close()
+    assert not server.listens_on(own), "a stopped server listens on nothing"
+
+
+def test_freezing_a_server_that_is_not_running_raises(tmp_path) -> None:
+    server = ServerProcess("stand-in", tmp_path / "srv")
+    start(server, fails_at_start=False)
+    (server.workdir / "crash").touch()
+    server.process.wait(timeout=30)
+    with pytest.raises(ServiceError, match="not running: cannot freeze"):
+        server.signal(signal.SIGSTOP)
+    server.signal(signal.SIGCONT)  # thawing in a cleanup stays harmless
+    server.stop()

@@ -26,7 +26,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from hicache_storage.testing.process import ServerProcess, ServiceError, free_port, port_open
+from hicache_storage.testing.process import ServerProcess, ServiceError, free_port
 
 MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 #: Every Mooncake client process needs this (see the module docstring).
@@ -228,7 +228,7 @@ class MooncakeMaster(ServerProcess):
             argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         self.spawn(argv, env=CLIENT_ENV)
         self.wait_ready(
-            lambda: port_open(self.rpc_port) and port_open(self.metadata_port) and port_open(self.metrics_port),
+            lambda: self.listens_on(self.rpc_port, self.metadata_port, self.metrics_port),
             timeout=30.0,
         )
 

@@ -44,12 +44,31 @@ def free_port(avoid: Sequence[int] = ()) -> int:
             return port
 
 
-def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports a process listens on: its socket inodes matched against /proc/net/tcp{,6}."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+        for fd in fd_dir.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:  # the process is gone
+        return set()
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def which_or_fail(binary: str, hint: str) -> str:
@@ -127,8 +146,25 @@ class ServerProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def listens_on(self, *ports: int) -> bool:
+        """Whether this server's own process listens on every one of ``ports``.
+
+        A connect succeeding is not enough: between :func:`free_port` choosing a port and the server
+        binding it, another process (a client's transfer engine, another server) can take it, and
+        a connect to that port then succeeds while our server failed to bind (Linux ``/proc``).
+        """
+        if not self.running():
+            return False
+        return set(ports) <= _listening_ports(self.process.pid)
+
     def signal(self, signum: int) -> None:
-        """Send a signal to the server (SIGSTOP / SIGCONT / SIGKILL in fault tests)."""
+        """Send a signal to the server (SIGSTOP / SIGCONT / SIGKILL in fault tests).
+
+        SIGSTOP to a server that is not running raises: a fault test would otherwise go on
+        against a server that was never frozen.
+        """
+        if signum == signal.SIGSTOP and not self.running():
+            raise ServiceError(f"{self.name} is not running: cannot freeze it\n{self.log_tail()}")
         if self.running():
             self._killed = self._killed or signum == signal.SIGKILL
             os.kill(self.process.pid, signum)
