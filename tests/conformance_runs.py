@@ -1,6 +1,6 @@
 """Run ``hicache-storage conformance`` several times in one process: ``python conformance_runs.py``.
 
-Reads a JSON object ``{name: [argv...]}`` on stdin; for each name, in order, calls the CLI's
+Reads a JSON object ``{name: [argv...]}`` from RUNS_FILE; for each name, in order, calls the CLI's
 ``main(argv)`` as ``python -m hicache_storage.cli`` would, with the process's stdout and stderr
 going to ``<log_dir>/<name>.log``, and prints ``{"name": ..., "exit": ...}`` as one JSON line once
 that run is over. A run still going after ``RUN_TIMEOUT_S`` has every thread's stack written to
@@ -8,7 +8,7 @@ its log and ends the process. A process pays the CLI's start (torch, pytest, hyp
 all its runs, not once per run. Each run is its own pytest session on fresh namespaces; modules
 the first run imported (the suite's, assertion-rewritten) serve the later ones.
 
-Usage: ``python conformance_runs.py LOG_DIR < runs.json``.
+Usage: ``python conformance_runs.py LOG_DIR RUNS_FILE``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run_logged(argv: list[str], log: Path) -> int:
 
 
 if __name__ == "__main__":
-    log_dir = Path(sys.argv[1])
-    for name, argv in json.load(sys.stdin).items():
+    log_dir, runs_file = Path(sys.argv[1]), Path(sys.argv[2])
+    for name, argv in json.loads(runs_file.read_text()).items():
         code = run_logged(argv, log_dir / f"{name}.log")
         print(json.dumps({"name": name, "exit": code}), flush=True)

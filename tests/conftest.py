@@ -38,6 +38,7 @@ def seaweedfs() -> Iterator[object]:
     server = SeaweedFS()
     server.start()
     yield server
+    server.kill()  # throwaway data, and SeaweedFS takes longer to exit than stop() waits
     server.stop()
 
 
