@@ -38,6 +38,8 @@ class BackupOp:
     """One node's storage backup: its pages of every pool (the FULL KV's first, when it has any)."""
 
     node: TreeNode
+    #: Where ``node`` started when queued: the range its host pages are protected over.
+    begin: int
     pools: list[PoolPages]
     stored_pages: int = 0
 

@@ -121,7 +121,8 @@ class CacheController:
         #: Device -> host copies and storage backups applied so far (agreed across ranks).
         self.completions = 0
         #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
-        self._loads: list[tuple[LayerLoad, TreeNode, list[TreeNode]]] = []
+        #: Loads in flight: the load, its target node, where its range starts, the nodes it fills.
+        self._loads: list[tuple[LayerLoad, TreeNode, int, list[TreeNode]]] = []
         self._warned_host_too_small = False
         self.prefetcher = (
             Prefetcher(config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages)
@@ -272,7 +273,7 @@ class CacheController:
         self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
         if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
-            self.tree.protect_host(node)  # and the host pages it is written into
+            self.tree.protect_host(node, begin)  # and the host pages it is written into
             self._pending_writes.append(_PendingWrite(node, done, True, begin, copies))
             return True
         done.synchronize()
@@ -300,7 +301,7 @@ class CacheController:
                 copy.settle(getattr(copy.done, "error", None) is not None)
             if pending.locked:
                 self.tree.unlock(pending.node)
-                self.tree.release_host(pending.node)
+                self.tree.release_host(pending.node, pending.begin)
             self._write_completed(pending.node, pending.done, pending.begin)
 
     def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event, begin: int) -> None:
@@ -330,17 +331,22 @@ class CacheController:
             slots = node.host_value.clone()
             kv = PoolPages(self.scope.part, list(node.page_hashes), self.host.segments_for(slots), slots, self.host.allocator, True)
             pools.insert(0, kv)
-        self.tree.protect_host(node)
+        begin = node.end - len(node.key)
+        self.tree.protect_host(node, begin)
         if full:
             node.stored = True
         assert self.backup is not None
-        self.backup.submit(BackupOp(node, pools))
+        self.backup.submit(BackupOp(node, begin, pools))
 
     def _drop_staging(self, node: TreeNode, *, components: bool = True) -> None:
         """Buffer-only: the host copy was only staging; free it once nothing reads it (with
         ``components=False`` the components' host state stays: it may be their only copy)."""
         # A locked node is in use by a request: its host copy may go once the device holds the KV.
-        if node.host_value is not None and node.host_ref == 0 and (node.device_value is not None or node.lock_ref == 0):
+        if node.device_value is not None:
+            free = node.host_io == 0
+        else:
+            free = node.host_ref == 0 and node.lock_ref == 0
+        if node.host_value is not None and free:
             for component in self.components if components else ():
                 component.drop(node, device=False)
             self.tree.drop_host_value(node)
@@ -389,8 +395,8 @@ class CacheController:
         load = self.transfers.load(device_indices, host_indices, on_done)
         # The lock keeps the nodes; this keeps the host pages the load reads (a locked node's host
         # copy may otherwise go once its KV is on the device: see ``_host_evictable``).
-        self.tree.protect_host(target)
-        self._loads.append((load, target, nodes))
+        self.tree.protect_host(target, match.device_hit_length)
+        self._loads.append((load, target, match.device_hit_length, nodes))
         return target, load
 
     def loads_done(self, *, used: bool = True) -> None:
@@ -399,9 +405,9 @@ class CacheController:
         computed from them, so its components' staging goes too; a request that gave up its start
         (no memory) keeps that, as a component's state (a checkpoint) may live only there until
         the request starts."""
-        for load, target, nodes in self._loads:
+        for load, target, begin, nodes in self._loads:
             load.wait_all()
-            self.tree.release_host(target)
+            self.tree.release_host(target, begin)
             if self.config.buffer_only and self.storage is not None:
                 for node in nodes:
                     self._drop_staging(node, components=used)
@@ -419,7 +425,7 @@ class CacheController:
             assert backup is not None
             op = backup.take()
             parent = op.node.parent
-            self.tree.release_host(op.node)
+            self.tree.release_host(op.node, op.begin)
             if self.config.buffer_only:
                 self._drop_staging(op.node)
                 # A split may have moved part of the staged pages into ancestors: free those too.

@@ -17,6 +17,7 @@ Invariants (``check_invariants`` verifies them in tests):
 * device copies are prefix-closed: a node on the device has its parent on the device;
 * ``lock_ref`` and ``host_ref`` count the node's own references plus all its descendants'
   (both are taken along the path to the root), so a referenced node's ancestors stay too;
+  ``host_io`` counts only the I/O on the node's own host pages (``host_io <= host_ref``);
 * a node with neither copy exists only transiently (buffer-only staging) and ends a match.
 
 The records (nodes, match and insert results, the component protocol) are in
@@ -323,7 +324,9 @@ class RadixTree(TreeEviction):
         """Cut ``child`` after ``length`` tokens; returns the new upper node."""
         pages = length // self.page_size
         upper = TreeNode(child.key[:length], child.parent, child.page_hashes[:pages], child.last_access, child.end - len(child.key) + length)
-        upper.lock_ref, upper.host_ref, upper.hit_count = child.lock_ref, child.host_ref, child.hit_count
+        # I/O on ``child``'s pages reads all of them, the upper part's too: it keeps every count.
+        upper.lock_ref, upper.host_ref, upper.host_io = child.lock_ref, child.host_ref, child.host_io
+        upper.hit_count = child.hit_count
         upper.stored = child.stored
         if child.device_value is not None:
             upper.device_value, child.device_value = child.device_value[:length], child.device_value[length:]
@@ -359,15 +362,25 @@ class RadixTree(TreeEviction):
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n
 
-    def protect_host(self, node: TreeNode) -> None:
-        """Keep the host copies (and the nodes) of ``node`` and its ancestors: I/O is in flight."""
+    def protect_host(self, node: TreeNode, begin: int) -> None:
+        """I/O is in flight on the host pages of the path's tokens from ``begin`` (where a node of
+        the path starts) to ``node``'s end: those pages are not freed (``host_io``) and ``node``
+        and its ancestors stay in the tree (``host_ref``). The ancestors' own host copies may
+        still go: a storage backup of the newest turn no longer holds the whole conversation.
+        A split keeps both counts on both parts, so :meth:`release_host` with the same
+        ``begin`` walks the same range whatever was split meanwhile."""
         for n in self._path_up(node):
             n.host_ref += 1
+            if n.end > begin:
+                n.host_io += 1
 
-    def release_host(self, node: TreeNode) -> None:
+    def release_host(self, node: TreeNode, begin: int) -> None:
         self.releases += 1
         for n in self._path_up(node):
             n.host_ref -= 1
+            if n.end > begin:
+                n.host_io -= 1
+                assert n.host_io >= 0, n
             assert n.host_ref >= 0, n
 
     def path(self, node: TreeNode, below: TreeNode | None = None) -> list[TreeNode]:
@@ -448,6 +461,8 @@ class RadixTree(TreeEviction):
                     assert child.host_value.numel() == len(child.key)
                 sub_locks, sub_host = visit(child, full)
                 assert child.lock_ref >= sub_locks and child.host_ref >= sub_host, child
+                assert 0 <= child.host_io <= child.host_ref, child
+                assert child.host_io == 0 or child.host_value is not None, f"{child}: I/O on host pages it lacks"
                 locks += child.lock_ref
                 host_refs += child.host_ref
             return locks, host_refs

@@ -37,7 +37,8 @@ class TreeEviction:
         Nodes leading to no session-referenced node go first, then the rest (each group least
         recently used first): a session reference is a preference, never a pin. A node without
         a host copy is first offered to ``backup`` (write-back); if it still has none it is
-        deleted with its host-only descendants, unless host I/O protects them.
+        deleted with its host-only descendants. Storage backups still writing some of those
+        finish detached (see ``_detach_backups``).
         Returns the number of device tokens freed (less than asked when too much is locked).
         """
         referenced = self.settle_recency()
@@ -52,15 +53,11 @@ class TreeEviction:
                 backup(node)
             assert node.device_value is not None
             size, parent = len(node.key), node.parent
-            if node.host_value is not None:
-                self._free_device(node.device_value)
-                node.device_value = None
-            elif node.host_ref == 0:
-                self._free_device(node.device_value)
-                node.device_value = None
+            self._free_device(node.device_value)
+            node.device_value = None
+            if node.host_value is None:
+                self._detach_backups(node)
                 self._delete_subtree(node)
-            else:
-                continue
             freed += size
             if parent is not None and self._device_evictable(parent):
                 heapq.heappush(heap, (parent in referenced, parent.last_access, parent.id, parent))
@@ -153,17 +150,14 @@ class TreeEviction:
         )
 
     def _host_evictable(self, node: TreeNode) -> bool:
-        # A locked node on the device may lose its host copy: its request reads the device KV.
-        # Loads and backups reading the host copy protect it (``host_ref``).
-        on_device = node.device_value is not None
-        return (
-            node is not self.root
-            and node.parent is not None
-            and node.host_value is not None
-            and node.host_ref == 0
-            and (node.lock_ref == 0 or on_device)
-            and (on_device or not node.children)
-        )
+        # A node on the device, locked or not, may lose its host copy unless I/O uses those
+        # pages (``host_io``: a load, a copy, a backup); its request reads the device KV. A
+        # host-only node is deleted with its copy: only a leaf nothing references.
+        if node is self.root or node.parent is None or node.host_value is None:
+            return False
+        if node.device_value is not None:
+            return node.host_io == 0
+        return node.host_ref == 0 and node.lock_ref == 0 and not node.children
 
     @staticmethod
     def _host_rank(node: TreeNode, referenced: set[TreeNode]) -> tuple[int, int, float, int, TreeNode]:
@@ -175,10 +169,28 @@ class TreeEviction:
             return (1, 0 if on_device else 1, node.last_access, node.id, node)
         return (0, 1 if on_device else 0, node.last_access, node.id, node)
 
+    def _detach_backups(self, node: TreeNode) -> None:
+        """``node`` (unlocked, about to be deleted) stops counting in its ancestors' ``host_ref``
+        the I/O in flight below it. Loads and device -> host copies lock their nodes, so that I/O
+        is storage backups of host-only descendants: each holds its own copy of the slots and
+        hashes and its pages stay pinned in the allocator until it returns, so it completes
+        detached (``release_host`` on a deleted node touches only deleted nodes). Keeping the
+        conversation on the device for it instead held a finished request's whole history there
+        until its newest turn reached storage, while waiting requests needed the memory."""
+        held = node.host_ref
+        assert node.lock_ref == 0 and node.host_io == 0, node
+        if held and node.parent is not None:
+            for ancestor in self._path_up(node.parent):
+                ancestor.host_ref -= held
+
+    def _path_up(self, node: TreeNode) -> Iterator[TreeNode]:
+        raise NotImplementedError
+
     def _delete_subtree(self, node: TreeNode) -> None:
-        """Remove ``node`` (no device copy left) and its descendants, freeing their host copies."""
+        """Remove ``node`` (no device copy left) and its descendants, freeing their host copies
+        (pages a storage backup still writes are freed when it returns: they are pinned)."""
         for child in list(node.children.values()):
-            assert child.device_value is None and child.lock_ref == 0 and child.host_ref == 0, child
+            assert child.device_value is None and child.lock_ref == 0, child
             if child.host_value is not None:
                 self._free_host(child.host_value)
                 child.host_value = None

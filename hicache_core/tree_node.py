@@ -49,6 +49,7 @@ class TreeNode:
         "host_value",
         "lock_ref",
         "host_ref",
+        "host_io",
         "hit_count",
         "last_access",
         "components",
@@ -69,6 +70,9 @@ class TreeNode:
         self.host_value: torch.Tensor | None = None
         self.lock_ref = 0
         self.host_ref = 0
+        #: I/O in flight on this node's own host pages (a load, a device -> host copy, a storage
+        #: backup): they are not freed. ``host_ref`` counts the same I/O along the whole path.
+        self.host_io = 0
         self.hit_count = 0
         self.last_access = now
         #: Per-component state of hybrid models, by component name (see ``RadixTree.components``).
@@ -84,7 +88,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         where = ("D" if self.device_value is not None else "") + ("H" if self.host_value is not None else "")
-        return f"<TreeNode {self.id} tokens={len(self.key)} {where or '-'} lock={self.lock_ref} host_ref={self.host_ref}>"
+        return f"<TreeNode {self.id} tokens={len(self.key)} {where or '-'} lock={self.lock_ref} host_ref={self.host_ref} host_io={self.host_io}>"
 
 
 class MatchResult:

@@ -116,14 +116,38 @@ def test_a_running_requests_host_copy_may_go_once_on_the_device_but_not_while_re
     node = inserted.last_node
     node.host_value = torch.arange(100, 108)
     tree.lock(node)  # a running request reads it: on the device
-    tree.protect_host(node)  # a load or a copy still uses the host pages
+    tree.protect_host(node, 0)  # a load or a copy still uses the host pages
     assert tree.evict_host(8) == 0 and node.host_value is not None
-    tree.release_host(node)
+    tree.release_host(node, 0)
     assert tree.evict_host(8) == 8 and node.host_value is None and node.device_value is not None
     assert torch.equal(freed[0], torch.arange(100, 108))
     node.device_value, node.host_value = None, torch.arange(200, 208)  # host only: the lock keeps it
     assert tree.evict_host(8) == 0 and node.host_value is not None
 
+
+
+def test_io_on_the_newest_turn_keeps_only_its_own_host_pages_and_a_split_keeps_both_parts():
+    """A storage backup of a conversation's newest pages used to protect the host copy of its
+    whole history (``host_ref`` is taken along the path): a prefetch then found no host page to
+    evict while the history sat on the device. I/O holds only the pages it reads (``host_io``)."""
+    freed: list[torch.Tensor] = []
+    tree = RadixTree(4, free_device=lambda slots: None, free_host=freed.append)
+    history = tree.insert(list(range(8)), torch.arange(8)).last_node
+    turn = tree.insert(list(range(16)), torch.arange(16)).last_node
+    history.host_value, turn.host_value = torch.arange(100, 108), torch.arange(108, 116)
+    tree.protect_host(turn, 8)  # the newest turn's backup is in flight
+    tree.check_invariants()
+    assert tree.evict_host(16) == 8, "the history's host copy goes, the turn's stays"
+    assert history.host_value is None and history.device_value is not None and turn.host_value is not None
+    # The backed-up node is split (a request diverges in its middle): both parts stay protected.
+    tree.insert([*range(12), 99, 99, 99, 99], torch.arange(16, 32))
+    upper = turn.parent
+    assert upper is not history and len(upper.key) == len(turn.key) == 4 and upper.host_io == turn.host_io == 1
+    assert tree.evict_host(16) == 0
+    tree.release_host(turn, 8)
+    tree.check_invariants()
+    assert upper.host_io == turn.host_io == 0 and history.host_ref == 0
+    assert tree.evict_host(16) == 8 and upper.host_value is None and turn.host_value is None
 
 def test_a_head_short_of_memory_is_retried_only_after_something_was_given_back():
     config = engine_config(CacheTiers.L1_L2, device_pages=12, max_running=2)

@@ -159,11 +159,11 @@ def test_host_eviction_never_takes_protected_or_locked_nodes():
     tree.evict_device(100)  # all three become host-only
     protected = tree.match_prefix([0, 0, 9, 9]).host_node
     locked = tree.match_prefix([1, 1, 9, 9]).host_node
-    tree.protect_host(protected)
+    tree.protect_host(protected, 0)
     tree.lock(locked)
     assert tree.evict_host(100) == 4
     assert sorted(frees.host) == list(range(120, 124))
-    tree.release_host(protected)
+    tree.release_host(protected, 0)
     tree.unlock(locked)
     assert tree.evict_host(100) == 8
     assert tree.token_counts() == {"device": 0, "host": 0, "nodes": 0}

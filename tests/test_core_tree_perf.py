@@ -82,7 +82,7 @@ class RefNode:
         self.id = next(ids)
         self.parent, self.children, self.key = parent, {}, tuple(key)
         self.device_value = self.host_value = None
-        self.lock_ref = self.host_ref = self.hit_count = 0
+        self.lock_ref = self.host_ref = self.host_io = self.hit_count = 0
         self.last_access = now
 
 
@@ -183,6 +183,7 @@ class ReferenceTree:
     def _split(self, child, length):
         upper = RefNode(child.key[:length], child.parent, child.last_access, self.ids)
         upper.lock_ref, upper.host_ref, upper.hit_count = child.lock_ref, child.host_ref, child.hit_count
+        upper.host_io = child.host_io
         if child.device_value is not None:
             upper.device_value, child.device_value = child.device_value[:length], child.device_value[length:]
         if child.host_value is not None:
@@ -200,6 +201,15 @@ class ReferenceTree:
     def add_refs(self, node, attribute, delta):
         for n in self._path_up(node):
             setattr(n, attribute, getattr(n, attribute) + delta)
+
+    def add_host_io(self, node, begin, delta):
+        """host_ref along the path, host_io on the nodes holding the tokens from ``begin`` on."""
+        self.add_refs(node, "host_ref", delta)
+        end = sum(len(n.key) for n in self._path_up(node))
+        for n in self._path_up(node):
+            if end > begin:
+                n.host_io += delta
+            end -= len(n.key)
 
     def nodes(self):
         stack = list(self.root.children.values())
@@ -219,15 +229,13 @@ class ReferenceTree:
             if node.host_value is None and backup is not None:
                 backup(node)
             size, parent = len(node.key), node.parent
-            if node.host_value is not None:
-                self.free_device(node.device_value)
-                node.device_value = None
-            elif node.host_ref == 0:
-                self.free_device(node.device_value)
-                node.device_value = None
+            self.free_device(node.device_value)
+            node.device_value = None
+            if node.host_value is None:
+                # Storage backups below finish detached: the ancestors stop counting them.
+                for ancestor in self._path_up(node.parent):
+                    ancestor.host_ref -= node.host_ref
                 self._delete_subtree(node)
-            else:
-                continue
             freed += size
             if parent is not None and self._device_evictable(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
@@ -272,11 +280,11 @@ class ReferenceTree:
         )
 
     def _host_evictable(self, node):
-        return (
-            node is not self.root and node.parent is not None and node.host_value is not None
-            and node.host_ref == 0 and (node.lock_ref == 0 or node.device_value is not None)
-            and (node.device_value is not None or not node.children)
-        )
+        if node is self.root or node.parent is None or node.host_value is None:
+            return False
+        if node.device_value is not None:
+            return node.host_io == 0
+        return node.host_ref == 0 and node.lock_ref == 0 and not node.children
 
     def _delete_subtree(self, node):
         for child in list(node.children.values()):
@@ -312,7 +320,7 @@ def _shape(root):
     def visit(node):
         return [
             (key, child.key, _values(child.device_value), _values(child.host_value), child.lock_ref, child.host_ref,
-             child.hit_count, _recency(child), visit(child))
+             child.host_io, child.hit_count, _recency(child), visit(child))
             for key, child in sorted(node.children.items())
         ]
 
@@ -443,16 +451,18 @@ class Pair:
     def protect(self):
         pair = self._pick()
         if pair is not None and pair[0].host_value is not None and len(self.fast_protected) < 3:
-            self.fast.protect_host(pair[0])
-            self.ref.add_refs(pair[1], "host_ref", 1)
-            self.fast_protected.append(pair[0])
-            self.ref_protected.append(pair[1])
+            begin = pair[0].end - len(pair[0].key)
+            self.fast.protect_host(pair[0], begin)
+            self.ref.add_host_io(pair[1], begin, 1)
+            self.fast_protected.append((pair[0], begin))
+            self.ref_protected.append((pair[1], begin))
 
     def release(self):
         if self.fast_protected:
             i = self.rng.randrange(len(self.fast_protected))
-            self.fast.release_host(self.fast_protected.pop(i))
-            self.ref.add_refs(self.ref_protected.pop(i), "host_ref", -1)
+            self.fast.release_host(*self.fast_protected.pop(i))
+            node, begin = self.ref_protected.pop(i)
+            self.ref.add_host_io(node, begin, -1)
 
     def evict_device(self):
         amount = self.rng.randint(1, 6) * self.page_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -592,14 +592,14 @@ def test_alloc_on_the_host_never_tombstones_a_node_with_host_io_or_a_lock():
     for n in (old, middle, new):
         cache.backup(n)
     cache.give_swa([old, middle, new], device=False)
-    cache.tree.protect_host(old)
+    cache.tree.protect_host(old, old.end - len(old.key))
     cache.tree.lock(middle)
     assert cache.swa.evict(PAGE, device=False) == PAGE
     assert cache.swa.slots(new, False) is None
     assert cache.swa.slots(old, False) is not None and cache.swa.slots(middle, False) is not None
     assert cache.swa.evict(2 * PAGE, device=False) == 0, "what is left is protected"
     assert cache.swa.slots(old, False) is not None and cache.swa.slots(middle, False) is not None
-    cache.tree.release_host(old)
+    cache.tree.release_host(old, old.end - len(old.key))
     cache.tree.unlock(middle)
     cache.check()
 
@@ -746,7 +746,7 @@ class HybridTreeMachine(RuleBasedStateMachine):
         self.indexer = Indexer(PageAllocator(12, PAGE))
         self.cache = Cache(window=WINDOW, full_pages=12, swa_pages=8, checkpoints=3, extra=(self.indexer,))
         self.locks: list[TreeNode] = []
-        self.protected: list[TreeNode] = []
+        self.protected: list[tuple[TreeNode, int]] = []
         self.reads: list[TreeNode] = []
         # The model of what each slot holds: the token position of an SWA slot, the boundary of
         # a checkpoint, keyed by (tier, slot). Splits must keep every node's state where it was taken.
@@ -902,13 +902,15 @@ class HybridTreeMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 99))
     def protect_host(self, index: int) -> None:
         node = self.pick(index)
-        self.cache.tree.protect_host(node)
-        self.protected.append(node)
+        assume(node.host_value is not None)  # I/O reads or writes host pages
+        begin = node.end - len(node.key)
+        self.cache.tree.protect_host(node, begin)
+        self.protected.append((node, begin))
 
     @precondition(lambda self: self.protected)
     @rule()
     def release_host(self) -> None:
-        self.cache.tree.release_host(self.protected.pop(0))
+        self.cache.tree.release_host(*self.protected.pop(0))
 
     @invariant()
     def slots_are_owned_once_and_nothing_leaks(self) -> None:
