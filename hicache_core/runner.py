@@ -18,7 +18,6 @@ serves a :class:`~hicache_core.hybrid.model.HybridDecoder` and its draft model.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -112,13 +111,8 @@ class DenseRunner:
             return int(last.argmax())
         compute = self.compute
         assert compute is not None
-        layers = self.model_config.layers
         if prefill:  # a decode step's cost is charged once per step, for the whole batch (see Engine.step)
-            per_layer = compute.prefill_seconds(len(tokens)) / layers
-            for layer in range(layers):
-                if load is not None:
-                    load.wait(layer)
-                time.sleep(per_layer)
+            compute.prefill(len(tokens), self.model_config.layers, load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
 
     def cache(self, live: Live, last: TreeNode, cached: int) -> None:

@@ -40,6 +40,12 @@ class LayerLoad:
         self._events: list[threading.Event] = [threading.Event() for _ in range(layers)]
         self._cuda_events: list[torch.cuda.Event] = []
 
+    def ready(self, layer: int) -> bool:
+        """Whether layer ``layer`` has landed (or failed: ``wait`` then raises)."""
+        if self.cuda:
+            return self._cuda_events[layer].query()
+        return self._events[layer].is_set()
+
     def wait(self, layer: int) -> None:
         if self.cuda:
             torch.cuda.current_stream().wait_event(self._cuda_events[layer])

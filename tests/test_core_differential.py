@@ -210,3 +210,52 @@ def test_a_node_split_while_its_host_copy_is_in_flight_is_stored_whole(tmp_path)
         assert store is not None
         hashes = page_hashes(first, 4)
         assert store.backend.prefix_exists(store.keys("kv", hashes)) == len(hashes)
+
+
+class _FakeClock:
+    """perf_counter and sleep on a clock that only sleeps move."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, 0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+
+
+class _FakeLoad:
+    """A layer-wise load whose layer ``i`` lands at ``landed[i]`` on the fake clock."""
+
+    def __init__(self, clock: _FakeClock, landed: list[float]) -> None:
+        self.clock, self.landed, self.waited = clock, landed, []
+
+    def ready(self, layer: int) -> bool:
+        return self.landed[layer] <= self.clock.now
+
+    def wait(self, layer: int) -> None:
+        self.waited.append(layer)
+        self.clock.now = max(self.clock.now, self.landed[layer])
+
+
+@pytest.mark.parametrize("landed", [[0.0] * 6, [0.0, 0.0, 5.0, 5.0, 5.0, 9.5], [3.0] * 6, [0.0] * 5 + [100.0]], ids=str)
+def test_modeled_prefill_takes_the_layer_wise_time_with_a_sleep_only_where_a_load_must_be_waited_for(monkeypatch, landed):
+    """Layer i computes from max(layer i-1 done, layer i landed); every layer is waited for in
+    order (a failed load raises there); sleeps happen only to catch up before a load that has not
+    landed, and once at the end (each sleep overshoots: one per layer inflated the bench)."""
+    import hicache_core.model as model
+
+    clock = _FakeClock()
+    monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(model.time, "sleep", clock.sleep)
+    compute = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=0.0)
+    load = _FakeLoad(clock, landed)
+    compute.prefill(12, 6, load)  # 2 s per layer
+    expected = 0.0
+    for layer in range(6):
+        expected = max(expected, landed[layer]) + 2.0
+    assert clock.now == pytest.approx(expected)
+    assert load.waited == list(range(6))
+    assert clock.sleeps <= 1 + sum(1 for at in landed if at > 0), "a sleep for a layer whose load had landed"
+    clock.now, clock.sleeps = 0.0, 0
+    compute.prefill(12, 6, None)
+    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)

@@ -205,18 +205,9 @@ class ModeledHybridRunner(HybridRunner):
                     if begin < boundary <= end:
                         request.snapshots[boundary] = request.state.clone()
             own.advance(end)
-        if prefill:  # one sleep per layer for the whole call: a sleep per window-sized chunk overshoots
-            self._prefill(len(tokens), load)
+        if prefill:  # the whole call's time at once, over the FULL pool's layers (not a wait per chunk)
+            self.compute.prefill(len(tokens), self.geometry.layers, load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
-
-    def _prefill(self, tokens: int, load: LayerLoad | None) -> None:
-        """Sleep for ``tokens``' prefill, spread over the FULL pool's layers, each after its load."""
-        layers = self.geometry.layers
-        per_layer = self.compute.prefill_seconds(tokens) / layers
-        for layer in range(layers):
-            if load is not None:
-                load.wait(layer)
-            time.sleep(per_layer)
 
 
 __all__ = ["HYBRID_SHAPES", "HybridShape", "ModeledHybridRunner"]
