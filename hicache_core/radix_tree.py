@@ -21,7 +21,8 @@ Invariants (``check_invariants`` verifies them in tests):
 * a node with neither copy exists only transiently (buffer-only staging) and ends a match.
 
 The records (nodes, match and insert results, the component protocol) are in
-:mod:`hicache_core.tree_node`; eviction, which the tree inherits, in :mod:`hicache_core.tree_eviction`.
+:mod:`hicache_core.tree_node`; eviction, which the tree inherits, in :mod:`hicache_core.tree_eviction`,
+and the invariant check in :mod:`hicache_core.tree_invariants`.
 
 Not thread-safe: the scheduler thread owns the tree. Freed slots go to the ``free_device`` /
 ``free_host`` callbacks; the tree never touches pool memory.
@@ -36,6 +37,7 @@ import torch
 
 from hicache_core.token_sequence import TokenSequence, chain_page_hashes
 from hicache_core.tree_eviction import TreeEviction
+from hicache_core.tree_invariants import TreeInvariants
 from hicache_core.tree_node import (
     Component,
     HostInsertResult,
@@ -45,7 +47,6 @@ from hicache_core.tree_node import (
     path_nodes,
     path_device_slots,
 )
-from hicache_storage.keys import page_hashes
 
 __all__ = ["Component", "HostInsertResult", "InsertResult", "MatchResult", "RadixTree", "TreeNode", "path_device_slots"]
 
@@ -53,7 +54,7 @@ __all__ = ["Component", "HostInsertResult", "InsertResult", "MatchResult", "Radi
 INDEX_STRIDE_TOKENS = 256
 
 
-class RadixTree(TreeEviction):
+class RadixTree(TreeEviction, TreeInvariants):
     """Radix tree over whole pages of token ids.
 
     Lookups take any ``Sequence[int]``. A :class:`~hicache_core.token_sequence.TokenSequence` with
@@ -439,37 +440,6 @@ class RadixTree(TreeEviction):
             counts["device"] += len(node.key) if node.device_value is not None else 0
             counts["host"] += len(node.key) if node.host_value is not None else 0
         return counts
-
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the tree breaks an invariant (tests call this)."""
-
-        def visit(node: TreeNode, path: tuple[int, ...]) -> tuple[int, int]:
-            locks, host_refs = 0, 0
-            for first, child in node.children.items():
-                assert child.parent is node and child.key[: self.page_size] == first, child
-                assert len(child.key) % self.page_size == 0 and child.key, child
-                full = path + child.key
-                assert child.end == len(full), child
-                assert child.page_hashes == page_hashes(full, self.page_size)[len(path) // self.page_size :], child
-                indexed_hashes = self._indexed_hashes(child)
-                assert all(self._by_hash.get(h) is child for h in indexed_hashes), f"{child} not indexed by its page hashes"
-                indexed[0] += len(indexed_hashes)
-                if child.device_value is not None:
-                    assert node.device_value is not None, f"{child} on device under {node} off device"
-                    assert child.device_value.numel() == len(child.key)
-                if child.host_value is not None:
-                    assert child.host_value.numel() == len(child.key)
-                sub_locks, sub_host = visit(child, full)
-                assert child.lock_ref >= sub_locks and child.host_ref >= sub_host, child
-                assert 0 <= child.host_io <= child.host_ref, child
-                assert child.host_io == 0 or child.host_value is not None, f"{child}: I/O on host pages it lacks"
-                locks += child.lock_ref
-                host_refs += child.host_ref
-            return locks, host_refs
-
-        indexed = [0]
-        visit(self.root, ())
-        assert indexed[0] == len(self._by_hash), "the page-hash index holds pages of nodes no longer in the tree"
 
     def _check_aligned(self, length: int) -> None:
         if length % self.page_size:
