@@ -149,6 +149,28 @@ def test_io_on_the_newest_turn_keeps_only_its_own_host_pages_and_a_split_keeps_b
     assert upper.host_io == turn.host_io == 0 and history.host_ref == 0
     assert tree.evict_host(16) == 8 and upper.host_value is None and turn.host_value is None
 
+
+def test_a_history_without_a_host_copy_leaves_the_device_while_its_newest_turn_is_backed_up():
+    """The newest turn's storage backup used to keep the whole conversation on the device (the
+    history, without a host copy, could only go with the turn). The backup owns its pinned pages
+    and hashes, so the subtree goes and the backup completes detached."""
+    freed_device: list[torch.Tensor] = []
+    freed_host: list[torch.Tensor] = []
+    tree = RadixTree(4, free_device=freed_device.append, free_host=freed_host.append)
+    shared = tree.insert(list(range(4)), torch.arange(4)).last_node
+    history = tree.insert(list(range(12)), torch.arange(12)).last_node
+    turn = tree.insert(list(range(16)), torch.arange(16)).last_node
+    shared.host_value, turn.host_value = torch.arange(100, 104), torch.arange(112, 116)
+    tree.protect_host(turn, 12)  # the turn's storage backup is in flight
+    assert tree.evict_device(16) == 16, "the turn, then the history (deleted with the turn), then the shared prefix"
+    tree.check_invariants()
+    assert not tree.in_tree(history) and not tree.in_tree(turn)
+    assert shared.host_ref == 0 and shared.host_value is not None, "the survivors no longer count the backup"
+    assert torch.equal(freed_host[0], torch.arange(112, 116)), "the allocator defers it while the backup pins it"
+    tree.release_host(turn, 12)  # the backup returns: touches only the detached node
+    tree.check_invariants()
+    assert turn.host_ref == turn.host_io == 0 and tree.releases > 0
+
 def test_a_head_short_of_memory_is_retried_only_after_something_was_given_back():
     config = engine_config(CacheTiers.L1_L2, device_pages=12, max_running=2)
     with Engine(config) as engine:
