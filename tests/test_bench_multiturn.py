@@ -120,3 +120,16 @@ def test_the_cli_defaults_are_the_engine_defaults():
         assert getattr(args, name) == getattr(defaults, name), name
     for name in ("prefill_tokens_per_s", "layers", "kv_heads", "head_dim"):
         assert getattr(args, name) is None, f"--{name} must default to BenchConfig's value (None), not its own"
+
+
+def test_legs_measured_twice_keep_the_faster_of_each_speed():
+    """The bound is the least time the legs allow: a slow measurement (the disk still writing back
+    an earlier run) must not lower it, and a leg measured once only keeps that measurement."""
+    from hicache_core.bench.bound import Legs
+
+    before = Legs(storage_write=0.2e9, storage_read=2.0e9, backup=3e9, load=1e9, prefill_tokens_per_s=1e4, decode_step_s=0.01)
+    after = Legs(storage_write=0.6e9, storage_read=1.5e9, backup=2e9, load=2e9, prefill_tokens_per_s=1e4, decode_step_s=0.01)
+    best = before.fastest(after)
+    assert (best.storage_write, best.storage_read, best.backup, best.load) == (0.6e9, 2.0e9, 3e9, 2e9)
+    no_store = Legs(storage_write=None, storage_read=None, backup=1e9, load=1e9, prefill_tokens_per_s=None, decode_step_s=None)
+    assert no_store.fastest(after).storage_write == 0.6e9 and no_store.fastest(no_store).storage_read is None

@@ -1,7 +1,7 @@
 """The bound a bench run is held to: how fast its legs allow it to be, measured in the same run.
 
-Before the tier configurations run, :func:`measure_legs` times the legs the engine uses, on the
-bench's own page size and KV geometry:
+Before the tier configurations run and again after them (the faster of the two counts),
+:func:`measure_legs` times the legs the engine uses, on the bench's own page size and KV geometry:
 
 * **storage**: ``put_from`` then ``get_into`` of whole pages, straight from and into host-pool
   page views, in the engine's batch size, through the same store stack the controller builds;
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,20 @@ class Legs:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def fastest(self, other: Legs) -> Legs:
+        """Each speed the faster of two measurements (the compute is the same model's)."""
+
+        def best(a: float | None, b: float | None) -> float | None:
+            return b if a is None else a if b is None else max(a, b)
+
+        return replace(
+            self,
+            storage_write=best(self.storage_write, other.storage_write),
+            storage_read=best(self.storage_read, other.storage_read),
+            backup=max(self.backup, other.backup),
+            load=max(self.load, other.load),
+        )
 
 
 def measure_legs(config: EngineConfig, repeats: int = 5) -> Legs:
