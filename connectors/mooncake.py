@@ -260,8 +260,17 @@ class MooncakeBackend(StorageBackend):
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         self._note_leases(keys)
-        codes = self._store.batch_is_exist([self._object_key(k) for k in keys])
-        self._raise_if_unreachable("exists", codes)
+        codes = list(self._store.batch_is_exist([self._object_key(k) for k in keys]))
+        if len(codes) != len(keys) or (codes and all(code < 0 for code in codes)):
+            # Every key failed (1: stored, 0: not, below 0: the lookup failed), or the client
+            # answered for other keys than asked: an error, not a batch of misses.
+            error: Callable[..., StorageError] = StorageTimeoutError if RPC_TIMEOUT in codes else BackendUnavailableError
+            raise error(
+                f"Mooncake master {self.config.master_server_address} did not answer an exists of {len(keys)} "
+                f"keys (client returned {len(codes)} codes: {sorted(set(codes))}); the client reconnects when it is back",
+                backend=self.name,
+                operation="exists",
+            )
         return [code == 1 for code in codes]
 
     def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:

@@ -171,3 +171,20 @@ def test_freezing_a_server_that_is_not_running_raises(tmp_path) -> None:
         server.signal(signal.SIGSTOP)
     server.signal(signal.SIGCONT)  # thawing in a cleanup stays harmless
     server.stop()
+
+
+def test_freezing_returns_once_every_thread_of_the_server_is_stopped(tmp_path) -> None:
+    from pathlib import Path
+
+    server = ServerProcess("stand-in", tmp_path / "srv")
+    program = "import threading, time\nfor _ in range(4): threading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\ntime.sleep(60)"
+    server.spawn([sys.executable, "-c", program])
+    try:
+        tasks = Path(f"/proc/{server.pid}/task")
+        server.wait_ready(lambda: len(list(tasks.iterdir())) >= 5, timeout=30)
+        server.signal(signal.SIGSTOP)
+        states = {(task / "stat").read_text().rpartition(")")[2].split()[0] for task in tasks.iterdir()}
+        assert states <= {"T", "t"}, states
+        server.signal(signal.SIGCONT)
+    finally:
+        server.stop()

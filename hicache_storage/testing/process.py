@@ -168,6 +168,25 @@ class ServerProcess:
         if self.running():
             self._killed = self._killed or signum == signal.SIGKILL
             os.kill(self.process.pid, signum)
+            if signum == signal.SIGSTOP:
+                self._wait_stopped()
+
+    def _wait_stopped(self, timeout: float = 10.0) -> None:
+        """Return once every thread of the server is stopped. A signal is delivered when each
+        thread is next scheduled: on a loaded machine a server thread already running went on to
+        answer a request sent right after ``kill`` (a frozen Mooncake master answered an exists)."""
+        assert self.process is not None
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                states = [(task / "stat").read_text().rpartition(")")[2].split()[0] for task in tasks.iterdir()]
+            except (OSError, IndexError):  # a thread exited meanwhile, or no /proc: look again
+                states = []
+            if states and all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.005)
+        raise ServiceError(f"{self.name} (pid {self.process.pid}) did not stop within {timeout:.0f}s of SIGSTOP")
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. Safe to call twice.
