@@ -388,6 +388,37 @@ def test_frozen_master_gives_a_timeout_not_a_hang(own_master: MooncakeMaster, sc
         assert store.exists(keys) == [False]
 
 
+
+class _FailingExists:
+    """The real client, except that ``batch_is_exist`` answers with ``reply(keys)`` (a fault)."""
+
+    def __init__(self, client: Any, reply: Any) -> None:
+        self._client, self._reply = client, reply
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self._reply(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize(
+    "reply,error",
+    [
+        (lambda keys: [-1] * len(keys), BackendUnavailableError),  # the client's documented error value
+        (lambda keys: [-901, -1][: len(keys)], StorageTimeoutError),
+        (lambda keys: [], BackendUnavailableError),  # no answer for the keys asked
+    ],
+    ids=["all-failed", "timed-out", "empty"],
+)
+def test_an_exists_whose_every_key_failed_is_an_error_not_a_batch_of_misses(store, scope, monkeypatch, reply, error) -> None:
+    keys = scope.keys(hashes(2, 11))
+    monkeypatch.setattr(store, "_store", _FailingExists(store._store, reply))
+    with pytest.raises(error, match="did not answer an exists of 2 keys"):
+        store.exists(keys)
+    monkeypatch.setattr(store, "_store", _FailingExists(store._store._client, lambda keys: [1, -1]))
+    assert store.exists(keys) == [True, False], "one key failing is a miss for that key"
+
 def test_unreachable_master_is_named_at_construction(tmp_path: Any) -> None:
     from hicache_storage.testing.process import free_port
 
