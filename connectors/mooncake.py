@@ -264,12 +264,8 @@ class MooncakeBackend(StorageBackend):
         if len(codes) != len(keys) or (codes and all(code < 0 for code in codes)):
             # Every key failed (1: stored, 0: not, below 0: the lookup failed), or the client
             # answered for other keys than asked: an error, not a batch of misses.
-            error: Callable[..., StorageError] = StorageTimeoutError if RPC_TIMEOUT in codes else BackendUnavailableError
-            raise error(
-                f"Mooncake master {self.config.master_server_address} did not answer an exists of {len(keys)} "
-                f"keys (client returned {len(codes)} codes: {sorted(set(codes))}); the client reconnects when it is back",
-                backend=self.name,
-                operation="exists",
+            raise self._unreachable(
+                "exists", codes, f"did not answer an exists of {len(keys)} keys (client returned {len(codes)} codes: {sorted(set(codes))})"
             )
         return [code == 1 for code in codes]
 
@@ -519,10 +515,13 @@ class MooncakeBackend(StorageBackend):
     def _raise_if_unreachable(self, operation: str, codes: list[int]) -> None:
         """Raise when every key of a call failed because the cluster could not be reached."""
         if codes and all(code in _UNREACHABLE for code in codes):
-            error: Callable[..., StorageError] = StorageTimeoutError if RPC_TIMEOUT in codes else BackendUnavailableError
-            raise error(
-                f"Mooncake master {self.config.master_server_address} or a storage node did not answer "
-                f"(codes {sorted(set(codes))}); the client reconnects when it is back",
-                backend=self.name,
-                operation=operation,
-            )
+            raise self._unreachable(operation, codes, f"or a storage node did not answer (codes {sorted(set(codes))})")
+
+    def _unreachable(self, operation: str, codes: list[int], what: str) -> StorageError:
+        """The error for a call the cluster did not answer: a timeout if -901 is among ``codes``."""
+        error: Callable[..., StorageError] = StorageTimeoutError if RPC_TIMEOUT in codes else BackendUnavailableError
+        return error(
+            f"Mooncake master {self.config.master_server_address} {what}; the client reconnects when it is back",
+            backend=self.name,
+            operation=operation,
+        )

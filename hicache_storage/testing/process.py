@@ -172,9 +172,9 @@ class ServerProcess:
                 self._wait_stopped()
 
     def _wait_stopped(self, timeout: float = 10.0) -> None:
-        """Return once every thread of the server is stopped. A signal is delivered when each
-        thread is next scheduled: on a loaded machine a server thread already running went on to
-        answer a request sent right after ``kill`` (a frozen Mooncake master answered an exists)."""
+        """Return once /proc shows every thread of the server stopped, so that a fault test's next
+        call meets a frozen server, never one still finishing the stop (``kill`` returns when
+        the signal is sent, not when it has taken effect)."""
         assert self.process is not None
         tasks = Path(f"/proc/{self.process.pid}/task")
         deadline = time.monotonic() + timeout
