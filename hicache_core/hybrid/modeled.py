@@ -196,10 +196,8 @@ class ModeledHybridRunner(HybridRunner):
         request = live.model_state
         own = request.own
         position = length - len(tokens)
-        for begin, end in own.chunks():
-            if not position <= begin < length:
-                continue
-            own.slots(begin, end, request.window, request.window_base)  # the pages this chunk's window holds
+        for begin, end in own.passes(position, length):
+            own.hold(begin, end)  # the pages this chunk's window reads (no model reads their slots)
             if self.checkpoints is not None:
                 for boundary in own.boundaries:
                     if begin < boundary <= end:

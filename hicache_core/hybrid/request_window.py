@@ -8,17 +8,19 @@ keep: the window before each *boundary* where a later request may resume (the br
 end of the prompt's whole pages, the end of the request's pages). A long prompt is therefore
 prefilled in chunks of ``chunk`` tokens.
 
-:meth:`RequestWindow.peak` plays the run through once (chunks, then one position per decode step)
-and returns the most pages the request ever holds, which the runner reserves up front: a
-request never waits for SWA memory once it runs, and its SWA memory does not grow with its
-length. With ``chunk`` of about a window it is a few windows (the working window and chunk,
-plus the kept windows), whatever the prompt's length.
+:meth:`RequestWindow.peak` counts, pass by pass (chunks, then one position per decode step), the
+most pages the request ever holds, which the runner reserves up front: a request never waits
+for SWA memory once it runs, and its SWA memory does not grow with its length. With ``chunk``
+of about a window it is a few windows (the working window and chunk, plus the kept windows),
+whatever the prompt's length.
 
 Positions are absolute; pages are ``position // page_size``. Pages before ``start`` (the resume
 point) are the tree's, read as ``prefix`` (the window before ``start``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 
@@ -46,32 +48,47 @@ class RequestWindow:
         """The first position a sliding-window query at ``position`` reads."""
         return max(0, position - self.context)
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """The forward passes of the run: the prompt from ``start`` in chunks, then each decode step."""
-        prefill = [(b, min(b + self.chunk, self.prompt)) for b in range(self.start, self.prompt, self.chunk)]
-        return prefill + [(p, p + 1) for p in range(self.prompt, self.total)]
+    def passes(self, since: int, until: int) -> Iterator[tuple[int, int]]:
+        """The forward passes of the run that begin in ``[since, until)``: the prompt from ``start``
+        in chunks of ``chunk``, then one position per decode step."""
+        chunk = self.chunk
+        first = self.start + max(0, -(-(since - self.start) // chunk)) * chunk  # the first chunk from since
+        for begin in range(first, min(self.prompt, until), chunk):
+            yield begin, min(begin + chunk, self.prompt)
+        for position in range(max(self.prompt, since), min(self.total, until)):
+            yield position, position + 1
 
     def peak(self) -> int:
-        """The most pages held at once over the whole run (what to reserve)."""
-        held: set[int] = set()
-        most = 0
-        for begin, end in self.chunks():
-            held |= set(self._needed(begin, end))
-            most = max(most, len(held))
-            held = {p for p in held if not self._released(p, end)}
+        """The most pages held at once over the whole run (what to reserve).
+
+        During a pass the request holds the pages the pass reads (``_needed``: a run of pages
+        up to its end) and the kept pages before them: every page before the run was read by an
+        earlier pass, and only kept ones outlive it. So the count is arithmetic, one step per pass.
+        """
+        kept = sorted(self.kept)
+        most = below = 0
+        for begin, end in self.passes(self.start, self.total):
+            needed = self._needed(begin, end)
+            while below < len(kept) and kept[below] < needed.start:
+                below += 1
+            most = max(most, len(needed) + below)
         return most
 
     def give(self, slots: torch.Tensor) -> None:
         """Reserved slots (whole pages) to hold the request's SWA KV in."""
         self.spare.extend(slots.split(self.page_size))
 
-    def slots(self, begin: int, end: int, prefix: torch.Tensor, prefix_base: int) -> torch.Tensor:
-        """Device slots of positions ``[first(begin), end)`` for a pass over ``[begin, end)``,
-        taking spare pages for positions not held yet; ``prefix`` holds ``[prefix_base, start)``."""
+    def hold(self, begin: int, end: int) -> None:
+        """Take spare pages for the positions a pass over ``[begin, end)`` reads that it does not hold yet."""
         for page in self._needed(begin, end):
             if page not in self.pages:
                 assert self.spare, "RequestWindow.peak reserved too few pages"
                 self.pages[page] = self.spare.pop()
+
+    def slots(self, begin: int, end: int, prefix: torch.Tensor, prefix_base: int) -> torch.Tensor:
+        """Device slots of positions ``[first(begin), end)`` for a pass over ``[begin, end)``
+        (``hold`` first); ``prefix`` holds ``[prefix_base, start)``."""
+        self.hold(begin, end)
         first = self.first(begin)
         ps, parts = self.page_size, []
         if first < self.start:

@@ -177,9 +177,7 @@ class HybridRunner:
             if load is not None and m.layer_kinds[layer] == FULL:
                 load.wait(m.pool_layer(layer))
 
-        for begin, end in own.chunks():
-            if not position <= begin < length:
-                continue
+        for begin, end in own.passes(position, length):
             ids = torch.tensor(list(tokens[begin - position : end - position]), dtype=torch.int64)
             swa = own.slots(begin, end, request.window, request.window_base)
             logits, taken = self.model.forward(
