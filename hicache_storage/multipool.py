@@ -224,11 +224,13 @@ class MultiPoolStore:
         for a caller that already holds every pool's state of the first ``held`` pages' prefix
         except what trailing pools need at a later cut.
 
-        ``lookup(page_hashes, held).longest``: see :meth:`lookup` for the queries it makes.
-        Returns ``held`` when no longer cut is accepted. Errors raise (the core decides what a
+        ``lookup(page_hashes, held).longest``, asked with fewer keys: each TRAILING_PAGES pool is
+        first asked only for the window before the cut the ALL_PAGES pools leave (the common
+        case: every pool holds the whole prefix), and the full :meth:`lookup` queries follow only
+        if one lacks it. Returns ``held`` when no longer cut is accepted. Errors raise (the core decides what a
         failed lookup means).
         """
-        return self.lookup(page_hashes, held).longest
+        return self._cuts(page_hashes, held, degrade=False, longest_only=True).longest
 
     def lookup(self, page_hashes: Sequence[str], held: int = 0, *, degrade: bool = False) -> PoolCuts:
         """Every cut of ``page_hashes`` longer than ``held`` that all pools accept, and each pool's
@@ -243,6 +245,13 @@ class MultiPoolStore:
         that is not permanent is logged and counts as that pool holding none of the pages asked
         (so nothing past ``held`` is restorable); a permanent one still raises.
         """
+        return self._cuts(page_hashes, held, degrade=degrade, longest_only=False)
+
+    def _cuts(self, page_hashes: Sequence[str], held: int, *, degrade: bool, longest_only: bool) -> PoolCuts:
+        """:meth:`lookup`; with ``longest_only``, the TRAILING_PAGES pools are first asked only for
+        the window before the cut the ALL_PAGES pools leave (a few keys each, not every page back
+        to ``held``): when all hold it, that cut is the longest and the answer is ``PoolCuts(held,
+        (cut,), hits)`` without the other cuts; otherwise the full lookup goes on from there."""
         if isinstance(page_hashes, (str, bytes)):
             raise InvalidArgumentError("page_hashes must be a sequence of hex page hashes (wrap a single hash in a list)")
         hashes = list(page_hashes)
@@ -261,8 +270,11 @@ class MultiPoolStore:
                 bound = reach = limit
             if reach == bound:
                 hits[spec.name] = limit
+        trailing = self._by_policy(HitPolicy.TRAILING_PAGES)
+        if longest_only and trailing and limit > held and all(self._holds_window(spec, hashes, limit, degrade) for spec in trailing):
+            return PoolCuts(held, (limit,), hits)
         accepted = [True] * (limit + 1)
-        for spec in self._by_policy(HitPolicy.TRAILING_PAGES):
+        for spec in trailing:
             if limit == held:
                 return PoolCuts(held, (), hits)
             first = max(0, held - spec.trailing_pages)
@@ -275,6 +287,14 @@ class MultiPoolStore:
             limit = max([held] + [c for c in range(held, limit + 1) if accepted[c]])
             accepted = accepted[: limit + 1]
         return PoolCuts(held, tuple(c for c in range(held + 1, limit + 1) if accepted[c]), hits)
+
+    def _holds_window(self, spec: PoolSpec, hashes: list[str], cut: int, degrade: bool) -> bool:
+        """Whether TRAILING_PAGES pool ``spec`` accepts ``cut``: it holds the pages before it that its window reads."""
+        asked = hashes[max(0, cut - spec.trailing_pages) : cut]
+        if not asked:
+            return True
+        found = self._ask(spec, degrade, len(asked), lambda: self.backend.exists(self.keys(spec.name, asked)))
+        return found is not None and all(found)
 
     def _ask(self, spec: PoolSpec, degrade: bool, pages: int, query: Callable[[], T]) -> T | None:
         """``query()``; with ``degrade``, ``None`` for a StorageError that is not permanent (logged)."""

@@ -233,7 +233,8 @@ def test_usable_pages_asks_side_pools_only_within_the_kv_prefix(backend: MemoryB
     write(store, {"kv": [True] * 4, "swa": [True] * 10, "mamba": [True] * 10}, chain)
     before = backend.stats()["exists_keys"]
     assert store.usable_pages(chain) == 4
-    assert backend.stats()["exists_keys"] - before == 10 + 4 + 4  # one kv batch of 10, then 4 per side pool
+    # One kv batch of 10, then each side pool only for its window before cut 4 (swa 3, mamba 1).
+    assert backend.stats()["exists_keys"] - before == 10 + SWA.trailing_pages + MAMBA.trailing_pages
 
 
 def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: MemoryBackend, scope: KeyScope) -> None:
@@ -242,7 +243,21 @@ def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: 
     write(store, {"kv": [True] * 10, "indexer": [True] * 10, "mamba": [i == 5 for i in range(10)], "swa": [True] * 10}, chain)
     before = backend.stats()["exists_keys"]
     assert store.usable_pages(chain) == 6
-    assert backend.stats()["exists_keys"] - before == 10 + 10 + 10 + 6
+    # kv and indexer: 10 each; mamba's window before cut 10 (1 page) is missing, so the full
+    # lookup follows: mamba 10, then swa only up to cut 6, which mamba left.
+    assert backend.stats()["exists_keys"] - before == 10 + 10 + 1 + 10 + 6
+
+
+def test_when_every_pool_holds_the_prefix_trailing_pools_are_asked_only_for_their_windows(
+    backend: MemoryBackend, scope: KeyScope
+) -> None:
+    store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
+    chain = hashes(40)
+    write(store, {name: [True] * 40 for name in store.pools}, chain)
+    before = backend.stats()["exists_keys"]
+    assert store.restorable_pages(chain, held=4) == 40
+    assert backend.stats()["exists_keys"] - before == 36 + MAMBA.trailing_pages + SWA.trailing_pages
+    assert store.lookup(chain, held=4).longest == 40
 
 
 @settings(max_examples=60, deadline=None)
@@ -256,6 +271,8 @@ def test_usable_pages_is_the_longest_cut_of_what_is_stored(data: st.DataObject) 
     write(store, presence, chain)
     assert store.presence(chain) == presence
     assert store.usable_pages(chain) == brute_force_cut(pools, presence)
+    held = data.draw(st.integers(0, n))
+    assert store.restorable_pages(chain, held) == store.lookup(chain, held).longest
     found = store.lookup(chain)
     assert found.cuts == tuple(c for c, ok in enumerate(common_cuts(pools, presence)) if ok and c > 0)
     first = next(spec.name for spec in pools if spec.hit_policy is ALL)
