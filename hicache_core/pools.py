@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Protocol
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hicache_storage.kernels import KVLayout, host_shape
@@ -112,6 +113,8 @@ class PageAllocator:
         self._free_when_unpinned: set[int] = set()
         self._abandoned: dict[int, int] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        #: Row p holds page p's slots: ``alloc`` hands out its rows without tensor arithmetic.
+        self._slot_rows = np.arange(num_pages * page_size, dtype=np.int64).reshape(num_pages, page_size)
         #: How many ``free`` calls there were: a caller that failed to allocate may skip retrying
         #: until this moves. (A page freed under I/O counts as free at once, see ``free_pages``,
         #: so the end of the I/O, which differs between ranks, need not move it.)
@@ -147,7 +150,10 @@ class PageAllocator:
             pages = [self._free.popleft() for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
-        return self.slots_of(torch.tensor(pages, dtype=torch.int64))
+        # One numpy gather wrapped as a tensor: the scheduler thread allocates on every start and
+        # finish, and each torch call is a chance to lose the GIL to an I/O thread (0.4 ms each
+        # at the long-history shape, five per allocation).
+        return torch.from_numpy(self._slot_rows[pages].reshape(-1))
 
     def alloc_evicting(self, num_tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
         """``alloc``; when too few pages are free, ``evict(tokens)`` the shortfall (whole pages of
@@ -175,8 +181,9 @@ class PageAllocator:
 
     def pin_io(self, slots: torch.Tensor) -> None:
         """Mark the pages covering ``slots`` as having I/O in flight."""
+        pages = self.pages_of(slots)  # outside the lock: a tensor call may give the GIL away
         with self._lock:
-            for page in self.pages_of(slots):
+            for page in pages:
                 self._pins[page] = self._pins.get(page, 0) + 1
 
     def unpin_io_when_settled(self, slots: torch.Tensor, abandoned: Settling | None) -> None:
@@ -186,8 +193,9 @@ class PageAllocator:
         if abandoned is None:
             self.unpin_io(slots)
             return
+        pages = self.pages_of(slots)
         with self._lock:
-            for page in self.pages_of(slots):
+            for page in pages:
                 self._abandoned[page] = self._abandoned.get(page, 0) + 1
             self._lock.notify_all()
         abandoned.when_settled(lambda: self.unpin_io(slots, abandoned=True))
@@ -195,8 +203,9 @@ class PageAllocator:
     def unpin_io(self, slots: torch.Tensor, *, abandoned: bool = False) -> None:
         """Release one pin (an abandoned one, see ``unpin_io_when_settled``); a page freed
         meanwhile goes back to the free list now."""
+        pages = self.pages_of(slots)
         with self._lock:
-            for page in self.pages_of(slots):
+            for page in pages:
                 if abandoned:
                     if self._abandoned[page] == 1:
                         del self._abandoned[page]
