@@ -166,6 +166,7 @@ class Engine:
         self.controller.poll()
         admitted = self.admission.admit(self._start, self._started)
         decoded = False
+        step_started = time.perf_counter()
         for live in list(self._running):
             if id(live) in self._prefilled:
                 self._prefilled.discard(id(live))
@@ -176,7 +177,7 @@ class Engine:
             self.metrics.add(decode_steps=1)
             if self.config.compute is not None:
                 # Continuous batching: one decode step serves every running request at once.
-                time.sleep(self.config.compute.decode_seconds())
+                self.config.compute.decode(step_started)
         if not (admitted or decoded):
             time.sleep(0.0005)
 

@@ -262,8 +262,12 @@ class ModeledCompute:
             deadline += per_layer
         _sleep_until(deadline)
 
-    def decode_seconds(self) -> float:
-        return self.decode_step_s
+    def decode(self, started: float) -> None:
+        """End a decode step that began at ``started`` (``time.perf_counter``) once
+        ``decode_step_s`` has passed since: the scheduler's own work for the step (each request's
+        bookkeeping, finishing those done) overlaps the GPU's, as under SGLang's overlap
+        scheduler, and one sleep to the deadline overshoots once, not after the work."""
+        _sleep_until(started + self.decode_step_s)
 
 
 def _sleep_until(deadline: float) -> None:

@@ -259,3 +259,19 @@ def test_modeled_prefill_takes_the_layer_wise_time_with_a_sleep_only_where_a_loa
     clock.now, clock.sleeps = 0.0, 0
     compute.prefill(12, 6, None)
     assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
+
+
+def test_a_modeled_decode_step_ends_its_step_time_after_it_began_whatever_the_scheduler_did_meanwhile(monkeypatch):
+    """The scheduler's work for a step (bookkeeping, finishing requests) overlaps the step's
+    modeled GPU time: the step ends at start + decode_step_s, or when the work ends if later."""
+    import hicache_core.model as model
+
+    clock = _FakeClock()
+    monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(model.time, "sleep", clock.sleep)
+    compute = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=3.0)
+    clock.now = 10.0
+    compute.decode(started=9.0)  # one second of scheduler work already done
+    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
+    compute.decode(started=5.0)  # the work alone took longer than the step
+    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
