@@ -17,10 +17,10 @@ controller.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 from dataclasses import dataclass
@@ -107,7 +107,9 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._lock = threading.Condition()
-        self._free: deque[int] = deque(range(num_pages))
+        #: Free pages as a heap: ``alloc`` takes the lowest, so pages freed together come back
+        #: together and a transfer's slots form long runs (one copy call each) instead of scattering.
+        self._free: list[int] = list(range(num_pages))
         self._allocated = bytearray(num_pages)
         self._pins: dict[int, int] = {}
         self._free_when_unpinned: set[int] = set()
@@ -147,7 +149,7 @@ class PageAllocator:
             self._lock.wait_for(lambda: count <= len(self._free) or count > len(self._free) + self._waitable())
             if count > len(self._free):
                 return None  # a call pinning the pages was abandoned while we waited
-            pages = [self._free.popleft() for _ in range(count)]
+            pages = [heapq.heappop(self._free) for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
         # One numpy gather wrapped as a tensor: the scheduler thread allocates on every start and
@@ -177,7 +179,7 @@ class PageAllocator:
                     self._free_when_unpinned.add(page)
                 else:
                     self._allocated[page] = 0
-                    self._free.append(page)
+                    heapq.heappush(self._free, page)
 
     def pin_io(self, slots: torch.Tensor) -> None:
         """Mark the pages covering ``slots`` as having I/O in flight."""
@@ -219,7 +221,7 @@ class PageAllocator:
                 if page in self._free_when_unpinned:
                     self._free_when_unpinned.discard(page)
                     self._allocated[page] = 0
-                    self._free.append(page)
+                    heapq.heappush(self._free, page)
                     self._lock.notify_all()
 
     def pages_of(self, slots: torch.Tensor) -> list[int]:

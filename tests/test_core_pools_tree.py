@@ -33,6 +33,17 @@ def test_allocator_hands_out_whole_pages_and_refuses_when_full():
         alloc.free(b[1:5])
 
 
+def test_allocator_hands_out_the_lowest_free_pages_so_pages_freed_together_come_back_as_one_run():
+    alloc = PageAllocator(num_pages=8, page_size=2)
+    pages = [alloc.alloc(4) for _ in range(4)]  # pages 0-1, 2-3, 4-5, 6-7
+    assert all(p is not None for p in pages)
+    for p in (pages[3], pages[0], pages[2]):  # freed out of order, as eviction does
+        alloc.free(p)
+    again = alloc.alloc(8)
+    assert again is not None
+    assert again.tolist() == [0, 1, 2, 3, 8, 9, 10, 11], "two runs (pages 0-1 and 4-5), lowest first"
+
+
 def test_pinned_page_is_not_reused_until_io_finishes():
     alloc = PageAllocator(num_pages=2, page_size=2)
     slots = alloc.alloc(4)
