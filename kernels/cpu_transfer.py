@@ -6,9 +6,11 @@ host page). A run of one layer is one strided block in each tensor, so it moves 
 ``numpy.copyto`` from source to destination: no staging buffer, no per-element index kernel, a
 ``memmove`` per row or per page-layer. The Python cost is one call per run (a load moves one layer,
 so ``runs`` calls; a backup moves every layer of a run in one call), small next to a page's bytes.
-One exception: a page_first backup (each page written from all its layers, a transpose at row
-granularity) uses torch's strided ``copy_``, measured 1.5x faster at that pattern, in pieces
-small enough that torch copies them on the calling thread.
+Few calls matter more than a faster loop: each call gives the GIL away and must win it back from
+the engine's other threads. A page_first backup once used torch's strided ``copy_`` in pieces
+under torch's parallel grain (15 calls for a 2-page sliding window of 43 layers): in the hybrid
+long-history bench that copy took 13-20 ms against 2-7 ms as one ``copyto`` per run, which
+measured as fast or faster alone (docs/kernels.md).
 
 Slots left in runs shorter than :data:`MIN_RUN_SLOTS` (scattered slots, odd alignments) move with
 one vectorized row gather and scatter instead, so any order and alignment still work.
@@ -25,7 +27,7 @@ Tensors are viewed as bytes: values are never converted (NaN payloads and float8
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -150,18 +152,8 @@ def backup(
     host_indices: torch.Tensor,
 ) -> None:
     """Copy every layer of ``device_kv`` slots ``device_indices`` to ``host_kv`` slots ``host_indices``."""
-    hmap = geometry.host_rows
-    runs = plan_runs(device_indices, host_indices, hmap.block)
-    device = _device_view(device_kv, geometry)
-    host_rows = _rows(host_kv, geometry.halves, hmap.rows_per_half)
-    interleaved = hmap.block == 1 and hmap.layer_stride == 1  # page_first: a slot's layers side by side
-    word = _word_bytes(device_kv, host_kv, device.shape[-1]) if interleaved else None
-    if word is None:
-        _all_layers(device, host_rows, geometry, runs, to_host=True)
-        return
-    _backup_interleaved(device_kv, host_kv, geometry, runs, word)
-    if runs.device_rest.size:
-        _all_layers(device, host_rows, geometry, replace(runs, device_starts=[], host_starts=[], lengths=[]), to_host=True)
+    runs = plan_runs(device_indices, host_indices, geometry.host_rows.block)
+    _all_layers(_device_view(device_kv, geometry), _rows(host_kv, geometry.halves, geometry.host_rows.rows_per_half), geometry, runs, to_host=True)
 
 
 def _all_layers(device: np.ndarray, host_rows: np.ndarray, geometry: TransferGeometry, runs: Runs, *, to_host: bool) -> None:
@@ -189,60 +181,6 @@ def _all_layers(device: np.ndarray, host_rows: np.ndarray, geometry: TransferGeo
             host_rows[:, host_row_numbers] = rows[:, device_rows]
         else:
             rows[:, device_rows] = host_rows[:, host_row_numbers]
-
-
-def _backup_interleaved(
-    device_kv: torch.Tensor, host_kv: torch.Tensor, geometry: TransferGeometry, runs: Runs, word: int
-) -> None:
-    """Back up runs into a host pool whose layers are interleaved per slot (page_first) with torch
-    ``copy_`` on views of ``word``-byte integers.
-
-    Writing a page from all its layers is a transpose at row granularity; torch's strided copy
-    does it about 1.5x faster than ``numpy.copyto`` here (0.65 vs 0.45 of a contiguous copy on
-    one thread). Each ``copy_`` stays under torch's parallel grain, so it never starts the
-    intra-op thread pool (see the module docstring).
-    """
-    dtype = _SAME_WIDTH_INT[word]
-    width = geometry.row_elems * device_kv.element_size() // word
-    halves, layers = geometry.halves, geometry.layers
-    device = _words(device_kv, dtype).view(halves, layers, geometry.device_slots, width)
-    hmap = geometry.host_rows
-    host = _words(host_kv, dtype).as_strided(
-        (halves, layers, geometry.host_slots, width),
-        (hmap.rows_per_half * width, hmap.layer_stride * width, hmap.block_stride * width, 1),
-    )
-    slots_per_piece = max(1, _SERIAL_ELEMENTS // (halves * width))
-    for d, h, n in zip(runs.device_starts, runs.host_starts, runs.lengths):
-        for start in range(0, n, slots_per_piece):
-            count = min(slots_per_piece, n - start)
-            layers_per_piece = max(1, _SERIAL_ELEMENTS // (halves * count * width))
-            for layer in range(0, layers, layers_per_piece):
-                end = layer + layers_per_piece
-                host[:, layer:end, h + start : h + start + count].copy_(
-                    device[:, layer:end, d + start : d + start + count]
-                )
-
-
-#: Elements below which torch copies on the calling thread (``at::internal::GRAIN_SIZE``).
-_SERIAL_ELEMENTS = 32768 - 1
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor``'s bytes as a flat tensor of ``dtype`` (sizes and offset already checked)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).view(dtype)
-
-
-def _word_bytes(device_kv: torch.Tensor, host_kv: torch.Tensor, row_bytes: int) -> int | None:
-    """Widest of 8/4/2 bytes dividing a row and both tensors' offsets, or None."""
-    for word in (8, 4, 2):
-        aligned = all(
-            (tensor.storage_offset() * tensor.element_size()) % word == 0 and tensor.data_ptr() % word == 0
-            for tensor in (device_kv, host_kv)
-        )
-        if row_bytes % word == 0 and aligned:
-            return word
-    return None
 
 
 def _rows(tensor: torch.Tensor, halves: int, rows_per_half: int) -> np.ndarray:

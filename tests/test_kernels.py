@@ -463,20 +463,6 @@ def test_cpu_page_runs_move_bits_of_every_dtype(dtype: torch.dtype) -> None:
         assert_matches_oracle(case, device_kv, host_kv, device_idx, host_idx)
 
 
-@pytest.mark.parametrize("piece_elements", [1, 40, 1000])
-@pytest.mark.parametrize("pattern", ["coalesced", "mixed"])
-def test_page_first_backup_split_in_pieces_matches_the_oracle(monkeypatch, piece_elements: int, pattern: str) -> None:
-    """page_first backups copy with torch in pieces under the parallel grain: cut them small."""
-    from hicache_storage.kernels import cpu_transfer
-
-    monkeypatch.setattr(cpu_transfer, "_SERIAL_ELEMENTS", piece_elements)
-    case = Case(KVLayout.PAGE_FIRST, torch.bfloat16, 2, 3, 2, 8, 8, 10, 9, "pages", piece_elements)
-    generator = torch.Generator().manual_seed(piece_elements)
-    device_kv, host_kv, _, _ = make_tensors(case)
-    device_idx, host_idx = page_runs_indices(pattern, 10, 9, 6, 8, generator)
-    assert_matches_oracle(case, device_kv, host_kv, device_idx, host_idx)
-
-
 def test_plan_runs_coalesces_pages_and_sends_short_runs_to_the_row_path() -> None:
     from hicache_storage.kernels.cpu_transfer import MIN_RUN_SLOTS, plan_runs
 
