@@ -20,8 +20,9 @@ Use::
     engine.metrics.snapshot()
 
 ``EngineConfig.compute`` set to a :class:`~hicache_core.model.ModeledCompute` replaces the
-forward pass by its modeled cost (sleep) while every KV movement stays real. Single-threaded:
-call an engine from one thread.
+forward pass by its modeled cost, taken on a :class:`~hicache_core.model.ModeledGPU` that the
+scheduler queues work on as on a real one (overlapped with its own work, waited for at decode
+steps), while every KV movement stays real. Single-threaded: call an engine from one thread.
 
 Every model runs here: a FULL-only one (:class:`~hicache_core.model.ModelConfig`) and a hybrid
 one (:class:`~hicache_core.hybrid.model.HybridModelConfig`: sliding-window and recurrent layers
@@ -128,6 +129,8 @@ class Engine:
             self.submit(request)
         while self.has_work():
             self.step()
+        if self.runner.gpu is not None:
+            self.runner.gpu.wait()  # a request done at its prefill may still be on the modeled GPU
         return [self._done.pop(r.rid) for r in requests]
 
     def submit(self, request: Request) -> None:
@@ -165,6 +168,16 @@ class Engine:
         """One scheduling round: apply finished I/O, admit ready requests (prefill), decode one token each."""
         self.controller.poll()
         admitted = self.admission.admit(self._start, self._started)
+        gpu = self.runner.gpu
+        if gpu is not None and self._running:
+            pending = gpu.step_pending()
+            # The modeled GPU still runs the last decode step, whose tokens this one reads: keep
+            # admitting (and preparing) requests until it is done, as an overlap scheduler does.
+            # Ranks agree, so that they decode the same steps.
+            if self.tp.scheduler.all_max(int(pending > 0)):
+                if not admitted:
+                    time.sleep(min(max(pending, 0.0001), 0.0005))
+                return
         decoded = False
         step_started = time.perf_counter()
         for live in list(self._running):
@@ -175,9 +188,9 @@ class Engine:
             decoded = True
         if decoded:
             self.metrics.add(decode_steps=1)
-            if self.config.compute is not None:
+            if gpu is not None:
                 # Continuous batching: one decode step serves every running request at once.
-                self.config.compute.decode(step_started)
+                gpu.decode_step(step_started)
         if not (admitted or decoded):
             time.sleep(0.0005)
 
@@ -283,7 +296,10 @@ class Engine:
         )
         new_tokens = request.tokens[live.prefix_len :]
         self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
-        result.ttft_s = time.perf_counter() - live.submitted
+        first_token = time.perf_counter()
+        if self.runner.gpu is not None:  # queued on the modeled GPU: the token exists when it ends
+            first_token = max(first_token, self.runner.gpu.free_at)
+        result.ttft_s = first_token - live.submitted
         self.controller.loads_done()
         return True
 

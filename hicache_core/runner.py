@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from hicache_core.model import ModelConfig, ModeledCompute, TinyDecoder
+from hicache_core.model import ModelConfig, ModeledCompute, ModeledGPU, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import Component, RadixTree, TreeNode
 from hicache_core.requests import EngineConfig, Live, Request
@@ -36,6 +36,9 @@ class ModelRunner(Protocol):
     kv_part: str
     #: Whether the FULL KV is the same on every TP rank (MLA): only one rank writes it to L3.
     replicated: bool
+    #: With modeled compute, the accelerator its cost is taken on (the engine runs decode steps
+    #: on it and reads when a prefill's first token exists); None for a real forward pass.
+    gpu: ModeledGPU | None
 
     def build(self, device: DevicePool, host: HostPool | None) -> tuple[Component, ...]:
         """Create the model and its components (their memory beside the engine's pools); once."""
@@ -79,6 +82,7 @@ class DenseRunner:
         self.kv_part = "kv"
         self.replicated = model.mla
         self.compute: ModeledCompute | None = config.compute
+        self.gpu: ModeledGPU | None = config.compute.gpu() if config.compute is not None else None
         self.model: TinyDecoder | None = None
         self.kv: torch.Tensor | None = None
 
@@ -109,10 +113,9 @@ class DenseRunner:
             last = logits[-1].cpu()
             live.logits.append(last)
             return int(last.argmax())
-        compute = self.compute
-        assert compute is not None
+        assert self.gpu is not None
         if prefill:  # a decode step's cost is charged once per step, for the whole batch (see Engine.step)
-            compute.prefill(len(tokens), self.model_config.layers, load)
+            self.gpu.prefill(len(tokens), self.model_config.layers, load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
 
     def cache(self, live: Live, last: TreeNode, cached: int) -> None:

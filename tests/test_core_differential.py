@@ -238,40 +238,49 @@ class _FakeLoad:
 
 
 @pytest.mark.parametrize("landed", [[0.0] * 6, [0.0, 0.0, 5.0, 5.0, 5.0, 9.5], [3.0] * 6, [0.0] * 5 + [100.0]], ids=str)
-def test_modeled_prefill_takes_the_layer_wise_time_with_a_sleep_only_where_a_load_must_be_waited_for(monkeypatch, landed):
+def test_a_modeled_prefill_is_queued_layer_by_layer_each_layer_after_its_load_without_the_scheduler_sleeping(monkeypatch, landed):
     """Layer i computes from max(layer i-1 done, layer i landed); every layer is waited for in
-    order (a failed load raises there); sleeps happen only to catch up before a load that has not
-    landed, and once at the end (each sleep overshoots: one per layer inflated the bench)."""
+    order (a failed load raises there); the scheduler never sleeps for the compute, only waits for
+    loads that have not landed; the next prefill queues after it."""
     import hicache_core.model as model
 
     clock = _FakeClock()
     monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
     monkeypatch.setattr(model.time, "sleep", clock.sleep)
-    compute = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=0.0)
+    gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=0.0).gpu()
     load = _FakeLoad(clock, landed)
-    compute.prefill(12, 6, load)  # 2 s per layer
+    end = gpu.prefill(12, 6, load)  # 2 s per layer
     expected = 0.0
     for layer in range(6):
         expected = max(expected, landed[layer]) + 2.0
-    assert clock.now == pytest.approx(expected)
+    assert end == gpu.free_at == pytest.approx(expected)
     assert load.waited == list(range(6))
-    assert clock.sleeps <= 1 + sum(1 for at in landed if at > 0), "a sleep for a layer whose load had landed"
-    clock.now, clock.sleeps = 0.0, 0
-    compute.prefill(12, 6, None)
-    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
+    assert clock.sleeps == 0 and clock.now == max(landed), "the scheduler waited only for the loads"
+    assert gpu.prefill(12, 6, None) == pytest.approx(expected + 12.0), "queued after the first"
+    gpu.wait()
+    assert clock.now == pytest.approx(expected + 12.0)
 
 
-def test_a_modeled_decode_step_ends_its_step_time_after_it_began_whatever_the_scheduler_did_meanwhile(monkeypatch):
-    """The scheduler's work for a step (bookkeeping, finishing requests) overlaps the step's
-    modeled GPU time: the step ends at start + decode_step_s, or when the work ends if later."""
+def test_a_modeled_decode_step_is_queued_after_the_work_before_it_and_awaited_before_the_next(monkeypatch):
+    """The scheduler's work for a step (admitting, bookkeeping, finishing requests) overlaps the
+    GPU: a step starts when both it began and the queued work ended, and the scheduler learns
+    when it ends (the next step reads its tokens) instead of sleeping through it."""
     import hicache_core.model as model
 
     clock = _FakeClock()
     monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
     monkeypatch.setattr(model.time, "sleep", clock.sleep)
-    compute = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=3.0)
+    gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=3.0).gpu()
     clock.now = 10.0
-    compute.decode(started=9.0)  # one second of scheduler work already done
-    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
-    compute.decode(started=5.0)  # the work alone took longer than the step
-    assert (clock.now, clock.sleeps) == (pytest.approx(12.0), 1)
+    gpu.decode_step(started=9.0)  # its bookkeeping began a second ago
+    assert (gpu.free_at, clock.now, clock.sleeps) == (pytest.approx(12.0), 10.0, 0), "not waited for yet"
+    gpu.prefill(2, 1, None)  # a request admitted meanwhile: queued after the step, 12 -> 14
+    assert gpu.step_pending() == pytest.approx(2.0), "the step ends at 12, the prefill after it"
+    clock.now = 12.0
+    assert gpu.step_pending() == 0.0
+    gpu.decode_step(started=12.0)  # after the prefill: 14 -> 17
+    assert gpu.step_pending() == pytest.approx(5.0)
+    clock.now = 17.0
+    gpu.decode_step(started=20.0)  # the scheduler was late: the step starts when it began
+    gpu.wait()
+    assert clock.now == pytest.approx(23.0)

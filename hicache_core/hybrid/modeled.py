@@ -152,13 +152,15 @@ class _States:
 
 
 class ModeledHybridRunner(HybridRunner):
-    """A :class:`HybridRunner` whose prefill sleeps for ``EngineConfig.compute``'s cost (decode
-    steps are charged by the engine, once per step); every pool is real."""
+    """A :class:`HybridRunner` whose prefill takes ``EngineConfig.compute``'s cost on a
+    :class:`~hicache_core.model.ModeledGPU` (decode steps are charged by the engine, once per
+    step); every pool is real."""
 
     def __init__(self, config: EngineConfig) -> None:
         assert config.compute is not None
         super().__init__(replace(config, compute=None))
         self.compute: ModeledCompute = config.compute
+        self.gpu = config.compute.gpu()
         self.moved = _Moved()
 
     def _models(self, device: torch.device) -> tuple[Any, None]:
@@ -204,7 +206,7 @@ class ModeledHybridRunner(HybridRunner):
                         request.snapshots[boundary] = request.state.clone()
             own.advance(end)
         if prefill:  # the whole call's time at once, over the FULL pool's layers (not a wait per chunk)
-            self.compute.prefill(len(tokens), self.geometry.layers, load)
+            self.gpu.prefill(len(tokens), self.geometry.layers, load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
 
 

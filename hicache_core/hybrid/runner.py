@@ -37,7 +37,7 @@ from hicache_core.hybrid.components import RecurrentState, SlidingWindow, attach
 from hicache_core.hybrid.memory import KVMemory, StateMemory
 from hicache_core.hybrid.model import FULL, HybridDecoder, HybridModelConfig
 from hicache_core.hybrid.request_window import RequestWindow
-from hicache_core.model import TinyDecoder
+from hicache_core.model import ModeledGPU, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.requests import EngineCapacityError, EngineConfig, Live, Request
@@ -81,6 +81,7 @@ class HybridRunner:
         #: Values carry the draft KV when there is a draft model: engines with and without keep apart.
         self.kv_part = "kv_draft" if self.draft else "kv"
         self.model: HybridDecoder | None = None
+        self.gpu: ModeledGPU | None = None  # a real forward pass (ModeledHybridRunner models one)
 
     def build(self, device: DevicePool, host: HostPool | None) -> tuple[SlidingWindow | RecurrentState, ...]:
         c, m, sizes = self.config, self.model_config, self.config.hybrid
