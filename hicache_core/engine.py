@@ -129,8 +129,6 @@ class Engine:
             self.submit(request)
         while self.has_work():
             self.step()
-        if self.runner.gpu is not None:
-            self.runner.gpu.wait()  # a request done at its prefill may still be on the modeled GPU
         return [self._done.pop(r.rid) for r in requests]
 
     def submit(self, request: Request) -> None:
@@ -191,7 +189,9 @@ class Engine:
             if gpu is not None:
                 # Continuous batching: one decode step serves every running request at once.
                 gpu.decode_step(step_started)
-        if not (admitted or decoded):
+        if gpu is not None and not self.has_work():
+            gpu.wait()  # the last results exist once the modeled GPU has computed them
+        elif not (admitted or decoded):
             time.sleep(0.0005)
 
     def drain(self) -> None:

@@ -139,8 +139,7 @@ def load(
 ) -> None:
     """Copy every layer of ``host_kv`` slots ``host_indices`` to ``device_kv`` slots ``device_indices``:
     one call per run for all layers (a per-layer load makes one per run and layer)."""
-    runs = plan_runs(device_indices, host_indices, geometry.host_rows.block)
-    _all_layers(_device_view(device_kv, geometry), _rows(host_kv, geometry.halves, geometry.host_rows.rows_per_half), geometry, runs, to_host=False)
+    _all_layers(device_kv, host_kv, geometry, device_indices, host_indices, to_host=False)
 
 
 def backup(
@@ -152,13 +151,23 @@ def backup(
     host_indices: torch.Tensor,
 ) -> None:
     """Copy every layer of ``device_kv`` slots ``device_indices`` to ``host_kv`` slots ``host_indices``."""
+    _all_layers(device_kv, host_kv, geometry, device_indices, host_indices, to_host=True)
+
+
+def _all_layers(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    geometry: TransferGeometry,
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    *,
+    to_host: bool,
+) -> None:
+    """Copy every layer of the slots between the device and the host, one way or the other: one
+    ``numpy.copyto`` per run, then the short runs' rows with one gather and scatter."""
     runs = plan_runs(device_indices, host_indices, geometry.host_rows.block)
-    _all_layers(_device_view(device_kv, geometry), _rows(host_kv, geometry.halves, geometry.host_rows.rows_per_half), geometry, runs, to_host=True)
-
-
-def _all_layers(device: np.ndarray, host_rows: np.ndarray, geometry: TransferGeometry, runs: Runs, *, to_host: bool) -> None:
-    """Copy every layer of ``runs`` between the device view and the host rows, one way or the
-    other: one ``numpy.copyto`` per run, then the short runs' rows with one gather and scatter."""
+    device = _device_view(device_kv, geometry)
+    host_rows = _rows(host_kv, geometry.halves, geometry.host_rows.rows_per_half)
     hmap = geometry.host_rows
     if hmap.block == 1:
         # (halves, layers, slots, row): the slot view with layers moved in front, like the device.
