@@ -2,7 +2,7 @@
 
 * **Write policies** (device -> host): ``write_through`` backs a node up when it is inserted,
   ``write_through_selective`` once it has been hit ``selective_hits`` times (default 2),
-  ``write_back`` only when it is evicted from the device.
+  ``write_back`` only when it is evicted from the device. The copies: :mod:`hicache_core.host_writes`.
 * **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
   thread (:mod:`hicache_core.backup`) in batches of at most ``batch_pages``; pages already
   stored (a live ``prefix_exists``) are skipped, except pages a prefetch found unreadable
@@ -42,14 +42,15 @@ from hicache_storage.multipool import MultiPoolStore, PoolSpec
 from hicache_storage.wrappers import stack_layers
 
 from hicache_core.backup import BackupOp, StorageBackup
+from hicache_core.host_writes import HostWrites, PendingWrite
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
-from hicache_core.side_pools import PendingCopy, PoolPages, backup_pages, tiered, unsaved_state
+from hicache_core.side_pools import PoolPages, backup_pages, tiered, unsaved_state
 from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
-from hicache_core.transfer import CopyDone, LayerLoad, Transfers
+from hicache_core.transfer import LayerLoad, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +79,7 @@ class ControllerConfig:
     backfill: bool = True
 
 
-@dataclass(eq=False)
-class _PendingWrite:
-    node: TreeNode
-    done: CopyDone | torch.cuda.Event
-    #: Whether the node was locked for the copy (an asynchronous one); a waited-for copy is not.
-    locked: bool
-    #: Where the copied tokens start: a match may split the node before the copy completes,
-    #: and the upper parts (its ancestors now) hold host pages of the same copy.
-    begin: int
-    #: Components' copies of the node's state started with it (see ``side_pools.PendingCopy``).
-    components: list[PendingCopy] = field(default_factory=list)
-
-
-class CacheController:
+class CacheController(HostWrites):
     def __init__(
         self,
         config: ControllerConfig,
@@ -117,7 +105,7 @@ class CacheController:
         self.store: MultiPoolStore | None = None
         #: Whether the attached store is still called; a fresh one per attachment.
         self.storage_health: StorageHealth | None = None
-        self._pending_writes: deque[_PendingWrite] = deque()
+        self._pending_writes: deque[PendingWrite] = deque()
         #: Device -> host copies and storage backups applied so far (agreed across ranks).
         self.completions = 0
         #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
@@ -242,81 +230,6 @@ class CacheController:
         backed_up = [c for c in self.components if c.back_up(node)]
         if backed_up:
             self._queue_storage_backup(node, full=False)
-
-    def write_to_host(self, node: TreeNode, *, wait: bool = False) -> bool:
-        """Copy ``node``'s device KV to new host pages; storage backup follows when the copy completes."""
-        assert self.transfers is not None and self.host is not None and node.device_value is not None
-        capacity = self.host.allocator.num_pages * self.page_size
-        if 0 < capacity < len(node.key):
-            # The node can never fit: back up its head, which is what a later prefix match uses.
-            if not self._warned_host_too_small:
-                self._warned_host_too_small = True
-                log.warning(
-                    "a %d-token node is larger than the whole host pool (%d tokens): only its first %d tokens "
-                    "are backed up to host and storage; raise the host pool size to back up whole prompts",
-                    len(node.key), capacity, capacity,
-                )
-            node = self.tree.boundary(node, node.end - len(node.key) + capacity)
-        host_slots = self.alloc_host(len(node.key))
-        if host_slots is None and self.config.buffer_only and self.io_pending:
-            # Staging is full of pages on their way to storage: wait for them rather than skip the backup.
-            self.drain()
-            host_slots = self.alloc_host(len(node.key))
-        if host_slots is None:
-            return False
-        done = self.transfers.backup(node.device_value, host_slots)
-        begin = node.end - len(node.key)
-        node.host_value = host_slots
-        copies: list[PendingCopy] = []
-        for component in self.components:
-            component.back_up(node, None if wait else copies)
-        self.metrics.add(host_backup_pages=len(node.key) // self.page_size)
-        if not wait:
-            self.tree.lock(node)  # the device copy stays until the host copy is complete
-            self.tree.protect_host(node, begin)  # and the host pages it is written into
-            self._pending_writes.append(_PendingWrite(node, done, True, begin, copies))
-            return True
-        done.synchronize()
-        if self._pending_writes:  # complete, but acknowledged in order after the copies before it
-            self._pending_writes.append(_PendingWrite(node, done, False, begin))
-        else:
-            self._write_completed(node, done, begin)
-        return True
-
-    def _backup_on_evict(self, node: TreeNode) -> bool:
-        return self.write_to_host(node, wait=True)
-
-    def _ack_writes(self) -> None:
-        """Apply completed device -> host copies, in order, as many as every rank has completed."""
-        ready = 0
-        for pending in self._pending_writes:
-            if not pending.done.query() or not all(copy.done.query() for copy in pending.components):
-                break
-            ready += 1
-        ready = self.tp.scheduler.all_min(ready)
-        self.completions += ready
-        for _ in range(ready):
-            pending = self._pending_writes.popleft()
-            for copy in pending.components:
-                copy.settle(getattr(copy.done, "error", None) is not None)
-            if pending.locked:
-                self.tree.unlock(pending.node)
-                self.tree.release_host(pending.node, pending.begin)
-            self._write_completed(pending.node, pending.done, pending.begin)
-
-    def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event, begin: int) -> None:
-        """A device -> host copy of the tokens from ``begin`` to ``node.end`` finished: queue the
-        storage backup of every node now holding them, or drop a copy that failed."""
-        copied = [n for n in (self.tree.path(node) if self.tree.in_tree(node) else [node]) if n.end - len(n.key) >= begin]
-        if isinstance(done, CopyDone):
-            self.metrics.add(host_backup_seconds=done.seconds)
-            if done.error is not None:  # the host pages hold a partial copy: never serve them
-                self.metrics.add(host_backup_errors=1)
-                for part in reversed(copied):
-                    self.tree.drop_host_value(part)
-                return
-        for part in copied:
-            self._queue_storage_backup(part)
 
     def _queue_storage_backup(self, node: TreeNode, *, full: bool = True) -> None:
         """Queue ``node``'s host pages of every pool for storage (only its components' with
