@@ -115,8 +115,7 @@ class PageAllocator:
         self._free_when_unpinned: set[int] = set()
         self._abandoned: dict[int, int] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64)
-        #: Row p holds page p's slots: ``alloc`` hands out its rows without tensor arithmetic.
-        self._slot_rows = np.arange(num_pages * page_size, dtype=np.int64).reshape(num_pages, page_size)
+        self._np_offsets = np.arange(page_size, dtype=np.int64)
         #: How many ``free`` calls there were: a caller that failed to allocate may skip retrying
         #: until this moves. (A page freed under I/O counts as free at once, see ``free_pages``,
         #: so the end of the I/O, which differs between ranks, need not move it.)
@@ -152,10 +151,11 @@ class PageAllocator:
             pages = [heapq.heappop(self._free) for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
-        # One numpy gather wrapped as a tensor: the scheduler thread allocates on every start and
+        # Built with numpy, wrapped as a tensor: the scheduler thread allocates on every start and
         # finish, and each torch call is a chance to lose the GIL to an I/O thread (0.4 ms each
         # at the long-history shape, five per allocation).
-        return torch.from_numpy(self._slot_rows[pages].reshape(-1))
+        firsts = np.asarray(pages, dtype=np.int64)[:, None] * self.page_size
+        return torch.from_numpy((firsts + self._np_offsets).reshape(-1))
 
     def alloc_evicting(self, num_tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
         """``alloc``; when too few pages are free, ``evict(tokens)`` the shortfall (whole pages of
