@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hicache_core.controller import ControllerConfig
     from hicache_core.side_pools import TieredComponent
 
-log = logging.getLogger("hicache_core.controller")
+log = logging.getLogger("hicache_core.controller")  # the channel its warnings had before they moved here
 
 
 @dataclass(eq=False)
