@@ -21,7 +21,7 @@ import heapq
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 from dataclasses import dataclass
 
@@ -114,8 +114,7 @@ class PageAllocator:
         self._pins: dict[int, int] = {}
         self._free_when_unpinned: set[int] = set()
         self._abandoned: dict[int, int] = {}
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
-        self._np_offsets = np.arange(page_size, dtype=np.int64)
+        self._offsets = np.arange(page_size, dtype=np.int64)
         #: How many ``free`` calls there were: a caller that failed to allocate may skip retrying
         #: until this moves. (A page freed under I/O counts as free at once, see ``free_pages``,
         #: so the end of the I/O, which differs between ranks, need not move it.)
@@ -151,11 +150,7 @@ class PageAllocator:
             pages = [heapq.heappop(self._free) for _ in range(count)]
             for page in pages:
                 self._allocated[page] = 1
-        # Built with numpy, wrapped as a tensor: the scheduler thread allocates on every start and
-        # finish, and each torch call is a chance to lose the GIL to an I/O thread (0.4 ms each
-        # at the long-history shape, five per allocation).
-        firsts = np.asarray(pages, dtype=np.int64)[:, None] * self.page_size
-        return torch.from_numpy((firsts + self._np_offsets).reshape(-1))
+        return self.slots_of(pages)
 
     def alloc_evicting(self, num_tokens: int, evict: Callable[[int], object]) -> torch.Tensor | None:
         """``alloc``; when too few pages are free, ``evict(tokens)`` the shortfall (whole pages of
@@ -235,8 +230,14 @@ class PageAllocator:
             raise ValueError("slot lists must start each page at a page boundary")
         return [first // page_size for first in firsts]
 
-    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
+    def slots_of(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The slots of ``pages`` (a list or a CPU tensor), page by page.
+
+        Built with numpy, wrapped as a tensor: the scheduler thread allocates on every start and
+        finish, and each torch call is a chance to lose the GIL to an I/O thread (0.4 ms each at
+        the long-history shape, five per allocation when this was tensor arithmetic)."""
+        firsts = np.asarray(pages, dtype=np.int64)[:, None] * self.page_size
+        return torch.from_numpy((firsts + self._offsets).reshape(-1))
 
 
 class DevicePool:

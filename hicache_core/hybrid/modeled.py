@@ -159,7 +159,6 @@ class ModeledHybridRunner(HybridRunner):
     def __init__(self, config: EngineConfig) -> None:
         assert config.compute is not None
         super().__init__(replace(config, compute=None))
-        self.compute: ModeledCompute = config.compute
         self.gpu = config.compute.gpu()
         self.moved = _Moved()
 
