@@ -32,7 +32,10 @@ from hicache_storage.errors import InvalidKeyError
 #: pages then become invisible instead of being misread.
 FORMAT_VERSION = 1
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+#: Host-pool byte layouts a page can be stored in (SGLang's ``--hicache-mem-layout`` values).
+#: ``page_first_kv_split`` keeps K and V (and an MLA indexer) in separate page-first buffers;
+#: ``page_head`` orders a page head-major, so a group of heads is one contiguous run.
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
 
 _PART_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _HASH_RE = re.compile(r"[0-9a-f]{8,128}")
@@ -82,6 +85,10 @@ class Namespace:
 
     ``tenant`` is the cache salt: deployments that must not share cache use different tenants.
     ``revision`` pins the model weights; leave it ``None`` only if the name already does.
+    ``geometry`` names the shape of a stored value where an engine can change it under one model,
+    dtype and layout (e.g. ``"layers=62,bytes=1032192"``: a deployment with MTP draft layers packed
+    into its KV pages, or one whose pages move as whole flat copies). It takes part in the
+    fingerprint only when set, so namespaces without it keep the fingerprint they always had.
     """
 
     model: str
@@ -91,6 +98,7 @@ class Namespace:
     revision: str | None = None
     tenant: str | None = None
     format_version: int = FORMAT_VERSION
+    geometry: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -101,7 +109,7 @@ class Namespace:
             raise InvalidKeyError(f"Namespace.page_size must be a positive integer, got {self.page_size!r}")
         if self.layout not in LAYOUTS:
             raise InvalidKeyError(f"Namespace.layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
-        for name in ("revision", "tenant"):
+        for name in ("revision", "tenant", "geometry"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidKeyError(f"Namespace.{name} must be a string or None, got {value!r}")
@@ -109,7 +117,10 @@ class Namespace:
     @cached_property
     def fingerprint(self) -> str:
         """32 hex digits naming this namespace; the canonical JSON of every field, hashed."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        fields = asdict(self)
+        if fields["geometry"] is None:
+            del fields["geometry"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def describe(self) -> dict[str, object]:
