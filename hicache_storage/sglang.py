@@ -28,12 +28,13 @@ This module imports SGLang; nothing else in ``hicache_storage`` does.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pydantic
@@ -64,7 +65,8 @@ from hicache_storage.spec import StoreSpec, open_store, store_spec
 
 logger = logging.getLogger(__name__)
 
-#: Extra-config keys SGLang itself reads (some are popped before the backend sees the dict).
+#: Keys SGLang's own loader reads from the extra config, or removes from it before the backend
+#: is built (SGLang 0.5.23: ``parse_storage_backend_extra_config``, ``_generate_storage_config``).
 SGLANG_EXTRA_CONFIG_KEYS = frozenset(
     {
         "backend_name",
@@ -74,11 +76,21 @@ SGLANG_EXTRA_CONFIG_KEYS = frozenset(
         "prefetch_threshold",
         "prefetch_timeout_base",
         "prefetch_timeout_per_ki_token",
-        "prefetch_timeout_max",
         "hicache_storage_pass_prefix_keys",
         "tp_lcm_size",
     }
 )
+
+#: Keys SGLang 0.5.23 adds to the extra config itself, from its own flags: meant for its file
+#: backend, meaningless to a connector. Accepted and ignored, with one log line.
+SGLANG_ADDED_KEYS = {"file_storage_path": "--file-storage-path"}
+
+#: Keys documented for SGLang's HiCache that SGLang 0.5.23 never reads: set, they would do
+#: nothing, so each gets one warning.
+SGLANG_UNREAD_KEYS = {
+    "prefetch_timeout_max": "SGLang 0.5.23 bounds a prefetch by prefetch_timeout_base + "
+    "prefetch_timeout_per_ki_token only; it has no maximum",
+}
 
 
 class AdapterConfig(BackendConfig):
@@ -95,7 +107,15 @@ class AdapterConfig(BackendConfig):
 
     @classmethod
     def from_extra_config(cls, extra_config: dict[str, Any] | None) -> AdapterConfig:
-        ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_EXTRA_CONFIG_KEYS}
+        given = dict(extra_config or {})
+        for key, flag in SGLANG_ADDED_KEYS.items():
+            if key in given:
+                logger.info("hicache_storage: ignoring %r, which SGLang adds for its own file backend (%s)", key, flag)
+        for key, why in SGLANG_UNREAD_KEYS.items():
+            if key in given:
+                logger.warning("hicache_storage: %r in the extra config has no effect: %s", key, why)
+        ignored = SGLANG_EXTRA_CONFIG_KEYS | SGLANG_ADDED_KEYS.keys() | SGLANG_UNREAD_KEYS.keys()
+        ours = {k: v for k, v in given.items() if k not in ignored}
         if "connector" not in ours:
             raise ConfigError(
                 "the hicache_storage adapter needs 'connector' in --hicache-storage-backend-extra-config "
@@ -110,11 +130,48 @@ class AdapterConfig(BackendConfig):
         return store_spec(self.connector, self.connector_config, self.wrappers)
 
 
+class PageIO(str, enum.Enum):
+    """How one host pool's pages move between the pool and the store."""
+
+    #: the pool holds no bytes of its own (DeepSeek V4's KV anchor: its side pools carry the
+    #: data); its pages are present exactly when the pools that carry them are.
+    LOGICAL = "logical"
+    #: zero-copy: the store reads and writes the (address, size) runs ``get_page_buffer_meta`` gives.
+    SEGMENTS = "segments"
+    #: the pool cannot describe a page as runs (a DSA indexer on ``layer_first``, Mamba state with
+    #: slot side state): a page moves as one flat copy (``get_data_page`` / ``set_from_flat_data_page``).
+    FLAT = "flat"
+
+
+@dataclass(frozen=True)
+class PoolBinding:
+    """One registered host pool as the adapter stores it: how its pages move, and the key scope
+    of each value a page is stored as (one, or one per head group when TP sizes share pages)."""
+
+    name: str
+    pool: Any
+    io: PageIO
+    scopes: tuple[KeyScope, ...]
+    #: whether this rank stores this pool's pages (every rank its own shard, one rank a replicated one)
+    writes: bool
+    #: heads of a page split into this many groups, each its own value (``get_split_heads_page_buffer_meta``)
+    head_groups: int = 1
+
+    @property
+    def namespaces(self) -> set[Namespace]:
+        return {scope.namespace for scope in self.scopes}
+
+    def keys(self, hashes: Sequence[str]) -> list[PageKey]:
+        """Each page's keys, page by page (a page's head groups next to each other)."""
+        return [scope.key(h) for h in hashes for scope in self.scopes]
+
+
 class HiCacheStorageAdapter(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` over a hicache-storage connector.
 
-    Thread-safety: SGLang calls from its prefetch and backup threads at once; every method here
-    only reads state fixed at registration, and connectors are thread-safe by contract.
+    Thread-safety: SGLang calls from its prefetch and backup threads at once; pools are bound at
+    registration (on SGLang's scheduler thread, before I/O on them) and only read afterwards, and
+    connectors are thread-safe by contract.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
@@ -124,14 +181,8 @@ class HiCacheStorageAdapter(HiCacheStorage):
         if storage_config.dcp_size > 1:
             raise ConfigError(
                 f"decode context parallelism (dcp_size={storage_config.dcp_size}) is not supported by the "
-                "hicache_storage adapter yet: keys have no DCP axis. Run without DCP or use SGLang's file backend.",
-                backend="sglang-adapter",
-            )
-        if storage_config.should_split_heads:
-            raise ConfigError(
-                "tp_lcm_size (heterogeneous TP head splitting) is not supported by the hicache_storage adapter; "
-                "drop tp_lcm_size from the extra config",
-                field="tp_lcm_size",
+                "hicache_storage adapter: keys have no DCP axis (SGLang 0.5.23 itself allows only its file and "
+                "Mooncake backends with DCP). Run without DCP.",
                 backend="sglang-adapter",
             )
         model = self.config.model or storage_config.model_name
@@ -142,8 +193,8 @@ class HiCacheStorageAdapter(HiCacheStorage):
                 backend="sglang-adapter",
             )
         self.model = model
-        # The TP-sharded identity of this rank, and the one its KV keys use: MLA KV is the same on
-        # every TP rank, so its shard is replicated (keys carry no TP rank).
+        # The TP-sharded identity of this rank; pools whose bytes are the same on every TP rank
+        # (MLA KV and its side pools) use it with replicated=True (keys carry no TP rank).
         self.tp_shard = Shard(
             tp_rank=storage_config.tp_rank,
             tp_size=storage_config.tp_size,
@@ -152,13 +203,15 @@ class HiCacheStorageAdapter(HiCacheStorage):
             cp_rank=storage_config.attn_cp_rank,
             cp_size=storage_config.attn_cp_size,
         )
-        self.shard = replace(self.tp_shard, replicated=storage_config.is_mla_model)
-        #: SGLang's own rule: MLA ranks share one writer (TP rank 0), MHA ranks all write.
+        self.rank_replicated = bool(storage_config.is_mla_model)
+        #: SGLang's own rule: replicated pools have one writer (TP rank 0), sharded ones every rank.
         self.is_writer = bool(storage_config.is_storage_writer)
+        #: SGLang's own switch (``interface_v1``): KV pages move zero-copy through batch_get_v1 /
+        #: batch_set_v1, or as flat page tensors through batch_get / batch_set.
+        self.zero_copy = bool((storage_config.extra_config or {}).get("interface_v1", 0))
         self.backend: StorageBackend = open_store(self.config.store_spec())
-        self.namespace: Namespace | None = None
-        self.scope: KeyScope | None = None
-        self._pool_scopes: dict[str, KeyScope] = {}
+        self.bindings: dict[str, PoolBinding] = {}
+        self._lock = threading.Lock()
         self._metrics_enabled = bool(storage_config.enable_storage_metrics)
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list[float]] = {
@@ -171,37 +224,84 @@ class HiCacheStorageAdapter(HiCacheStorage):
     # --- registration -------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Learn the page identity (dtype, page size, layout) and register the pool's memory."""
+        """Bind the KV (anchor) pool: its page identity (dtype, page size, layout, geometry) and memory."""
         super().register_mem_pool_host(mem_pool_host)
-        layout = mem_pool_host.layout
+        self._bind(PoolName.KV.value, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Bind a side pool (SWA, Mamba, indexer, draft, DeepSeek V4's compressed pools...)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == PoolName.KV.value and host_pool is getattr(self, "mem_pool_host", None):
+            return
+        self._bind(name, host_pool)
+
+    def _bind(self, name: str, pool: Any) -> None:
+        layout = getattr(pool, "layout", None)
         if layout not in LAYOUTS:
             raise ConfigError(
-                f"host pool layout {layout!r} is not supported by the hicache_storage adapter; "
+                f"host pool {name!r} has layout {layout!r}, which the hicache_storage adapter does not store; "
                 f"use --hicache-mem-layout with one of {', '.join(LAYOUTS)}",
                 field="layout",
                 backend="sglang-adapter",
             )
-        if getattr(mem_pool_host, "kv_buffer", None) is None:
-            raise ConfigError(
-                f"{type(mem_pool_host).__name__} has no KV buffer of its own (a logical anchor, as in DeepSeek V4); "
-                "the hicache_storage adapter needs a host pool that holds the KV pages",
-                backend="sglang-adapter",
-            )
-        self.namespace = Namespace(
+        io = _page_io(pool, name)
+        if name == PoolName.KV.value and io is PageIO.SEGMENTS and not self.zero_copy:
+            io = PageIO.FLAT  # SGLang moves KV pages through batch_get/batch_set as flat pages
+        head_groups = 1
+        shard = self.tp_shard
+        if _is_replicated(pool, name, self.rank_replicated):
+            shard = replace(shard, replicated=True)
+        elif name == PoolName.KV.value and self.storage_config.should_split_heads:
+            # Heterogeneous TP (tp_lcm_size): each group of heads is a value keyed as the rank of a
+            # TP-lcm deployment that holds exactly those heads, so TP4 and TP8 share pages.
+            head_groups = self.storage_config.tp_lcm_size // self.storage_config.tp_size
+        namespace = Namespace(
             model=self.model,
-            kv_dtype=_format_name(mem_pool_host),
-            page_size=mem_pool_host.page_size,
+            kv_dtype=_format_name(pool),
+            page_size=pool.page_size,
             layout=layout,
             revision=self.config.model_revision,
             tenant=self.config.tenant,
+            geometry=None if io is PageIO.LOGICAL else _geometry(pool, io, head_groups),
         )
-        self.scope = KeyScope(self.namespace, self.shard, PoolName.KV.value)
-        self._pool_scopes = {PoolName.KV.value: self.scope}
-        self._register_memory(mem_pool_host)
+        if head_groups > 1:
+            lcm = self.storage_config.tp_lcm_size
+            scopes = tuple(
+                KeyScope(namespace, replace(shard, tp_rank=shard.tp_rank * head_groups + g, tp_size=lcm), name)
+                for g in range(head_groups)
+            )
+        else:
+            scopes = (KeyScope(namespace, shard, name),)
+        binding = PoolBinding(name, pool, io, scopes, self.is_writer or not shard.replicated, head_groups)
+        with self._lock:
+            self.bindings[name] = binding
+        if binding.io is PageIO.FLAT:
+            logger.info("hicache_storage: pool %r (%s) moves whole flat pages: it cannot describe a page as runs", name, type(pool).__name__)
+        if not binding.writes or not self.is_writer:
+            self._keep_sglang_backing_up(binding)
+        if io is not PageIO.LOGICAL:
+            self._register_memory(pool)
 
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self._register_memory(host_pool)
+    def _keep_sglang_backing_up(self, binding: PoolBinding) -> None:
+        """Make SGLang call this rank's backups when it holds a TP-sharded pool of its own.
+
+        SGLang 0.5.23 skips every storage backup on MLA TP ranks other than 0
+        (``HiCacheController.backup_skip``) except Mamba state, and backs up an MHA draft there only
+        for its own Mooncake backend (``HybridCacheController.should_backup``). An EAGLE draft (MHA)
+        on an MLA target is TP-sharded: without this rank's writes its draft heads never reach
+        storage. SGLang reads ``storage_config.is_mla_model`` only for that decision, so the adapter
+        clears it; it keeps its own copy and skips the writes of replicated pools here itself.
+        """
+        if binding.writes and not self.is_writer and binding.name != PoolName.MAMBA.value:
+            if self.storage_config.is_mla_model:
+                logger.info(
+                    "hicache_storage: pool %r is TP-sharded on an MLA deployment; TP rank %d backs it up "
+                    "(replicated pools are still written by TP rank 0 only)",
+                    binding.name,
+                    self.storage_config.tp_rank,
+                )
+                self.storage_config.is_mla_model = False
 
     def _register_memory(self, pool: Any) -> None:
         buffer = getattr(pool, "kv_buffer", None)
@@ -209,36 +309,18 @@ class HiCacheStorageAdapter(HiCacheStorage):
             if isinstance(tensor, torch.Tensor) and tensor.numel() > 0:
                 self.backend.register_buffer(tensor)
 
-    # --- keys ---------------------------------------------------------------------------------
+    def _binding(self, name: Any) -> PoolBinding:
+        binding = self.bindings.get(str(name))
+        if binding is None:
+            if str(name) == PoolName.KV.value:
+                raise InvalidArgumentError("register_mem_pool_host() must be called before any storage I/O")
+            raise InvalidArgumentError(f"no host pool registered under {str(name)!r}; SGLang registers pools before I/O")
+        return binding
 
-    def _scope_for(self, pool_name: Any) -> KeyScope:
-        name = str(pool_name)
-        scope = self._pool_scopes.get(name)
-        if scope is not None:
-            return scope
-        anchor = self._require_scope()
-        pool = getattr(self, "registered_pools", {}).get(pool_name)
-        if pool is None:
-            raise InvalidArgumentError(f"no host pool registered under {name!r}; SGLang registers pools before I/O")
-        # Mamba state is TP-sharded even when the model's MLA KV is replicated.
-        shard = self.tp_shard if name == PoolName.MAMBA.value else self.shard
-        namespace = replace(anchor.namespace, kv_dtype=_format_name(pool))
-        scope = KeyScope(namespace, shard, name)
-        self._pool_scopes[name] = scope
-        return scope
-
-    def _require_scope(self) -> KeyScope:
-        if self.scope is None:
-            raise InvalidArgumentError("register_mem_pool_host() must be called before any storage I/O")
-        return self.scope
-
-    def _writes(self, scope: KeyScope) -> bool:
-        """Whether this rank stores pages of ``scope``: every rank its own shard, one rank a replicated one."""
-        return self.is_writer or not scope.shard.replicated
-
-    def _keys(self, keys: Sequence[str], scope: KeyScope | None = None) -> list[PageKey]:
-        scope = scope or self._require_scope()
-        return [scope.key(page_hash_of(key)) for key in keys]
+    @property
+    def scope(self) -> KeyScope:
+        """The KV pool's key scope (its first head group's when heads are split)."""
+        return self._binding(PoolName.KV.value).scopes[0]
 
     # --- zero-copy path (interface_v1) --------------------------------------------------------
 
@@ -246,75 +328,93 @@ class HiCacheStorageAdapter(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         """Read pages straight into the host pool; one result per key (SGLang uses the leading run)."""
-        return self._pool_get(self.mem_pool_host, self._require_scope(), keys, host_indices)
+        return self._pool_get(self._binding(PoolName.KV.value), keys, host_indices)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        """Write pages straight from the host pool. Non-writer MLA ranks report success and write nothing."""
-        return self._pool_set(self.mem_pool_host, self._require_scope(), keys, host_indices)
+        """Write pages straight from the host pool. A rank that does not write a pool reports success."""
+        return self._pool_set(self._binding(PoolName.KV.value), keys, host_indices)
 
-    def _pool_get(self, pool: Any, scope: KeyScope, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _pool_get(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
             return []
-        page_keys = self._keys(keys, scope)
-        targets, nbytes = _page_segments(pool, len(keys), host_indices)
+        if binding.io is PageIO.LOGICAL:
+            return [True] * len(keys)
+        hashes = [page_hash_of(key) for key in keys]
         start = time.perf_counter()
         try:
-            results = self.backend.get_into(page_keys, targets)
+            if binding.io is PageIO.FLAT:
+                pages = [binding.pool.get_dummy_flat_data_page() for _ in keys]
+                hits = self.backend.get_into(binding.keys(hashes), pages)
+                for i, hit in enumerate(hits):
+                    if not hit:
+                        break
+                    binding.pool.set_from_flat_data_page(int(host_indices[i * binding.pool.page_size]), pages[i])
+                nbytes = sum(_nbytes(page) for page in pages)
+            else:
+                targets, nbytes = _page_segments(binding, len(keys), host_indices)
+                hits = self.backend.get_into(binding.keys(hashes), targets)
         except StorageError as exc:
             if exc.status is ErrorStatus.PERMANENT:
                 raise
-            logger.warning("hicache_storage: read of %d pages failed, treated as misses: %s", len(keys), exc)
+            logger.warning("hicache_storage: read of %d pages of pool %s failed, treated as misses: %s", len(keys), binding.name, exc)
             return [False] * len(keys)
         self._record("prefetch", len(keys), nbytes, time.perf_counter() - start)
-        return results
+        return _per_page(hits, binding.head_groups)
 
-    def _pool_set(self, pool: Any, scope: KeyScope, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _pool_set(self, binding: PoolBinding, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys:
             return []
-        if not self._writes(scope):
+        if binding.io is PageIO.LOGICAL or not binding.writes:
             return [True] * len(keys)
-        page_keys = self._keys(keys, scope)
-        sources, _ = _page_segments(pool, len(keys), host_indices)
+        page_keys = binding.keys([page_hash_of(key) for key in keys])
         start = time.perf_counter()
         try:
-            # Keys are content hashes of the prefix: a page already stored holds these bytes.
+            # Keys are content hashes of the prefix: a value already stored holds these bytes.
             stored = self.backend.exists(page_keys)
             todo = [i for i, hit in enumerate(stored) if not hit]
-            written = self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo]) if todo else []
+            if todo:
+                sources = _page_sources(binding, len(keys), host_indices, {i // binding.head_groups for i in todo})
+                written = self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo])
+                for i, ok in zip(todo, written):
+                    stored[i] = ok
         except StorageError as exc:
             if exc.status is ErrorStatus.PERMANENT:
                 raise
-            logger.warning("hicache_storage: write of %d pages failed: %s", len(keys), exc)
+            logger.warning("hicache_storage: write of %d pages of pool %s failed: %s", len(keys), binding.name, exc)
             return [False] * len(keys)
-        for i, ok in zip(todo, written):
-            stored[i] = ok
         if todo:
-            page_bytes = sum(segment.size for segment in sources[0])
-            self._record("backup", len(todo), page_bytes * len(todo), time.perf_counter() - start)
-        return stored
+            nbytes = sum(_nbytes(sources[i]) for i in todo)
+            self._record("backup", len(todo), nbytes, time.perf_counter() - start)
+        return _per_page(stored, binding.head_groups)
 
     # --- lookups ------------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many keys, from the first, are stored without a gap (a prefix length, not a count)."""
+        """How many keys, from the first, are stored without a gap (a prefix length, not a count).
+
+        A pool without bytes of its own (a logical anchor) has nothing to check without its side
+        pools: SGLang asks those through :meth:`batch_exists_v2`; alone it answers 0.
+        """
+        binding = self._binding(PoolName.KV.value)
+        if binding.io is PageIO.LOGICAL:
+            return 0
         try:
-            return self.backend.prefix_exists(self._keys(keys))
+            return self._prefix(binding, [page_hash_of(key) for key in keys])
         except StorageError as exc:
             if exc.status is ErrorStatus.PERMANENT:
                 raise
             logger.warning("hicache_storage: exists query failed, reporting no hit: %s", exc)
             return 0
 
+    def _prefix(self, binding: PoolBinding, hashes: list[str]) -> int:
+        if binding.head_groups == 1:
+            return self.backend.prefix_exists(binding.keys(hashes))
+        return min(self.backend.prefix_exists(scope.keys(hashes)) for scope in binding.scopes)
+
     def exists(self, key: str) -> bool:
-        try:
-            return self.backend.exists(self._keys([key]))[0]
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: exists query failed, reporting a miss: %s", exc)
-            return False
+        return self.batch_exists([key]) == 1
 
     # --- legacy copy path (interface_v1 off): flat page tensors -------------------------------
 
@@ -325,15 +425,18 @@ class HiCacheStorageAdapter(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
         if not keys:
             return []
+        binding = self._binding(PoolName.KV.value)
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        start = time.perf_counter()
         try:
-            hits = self.backend.get_into(self._keys(keys), list(target_locations))
+            hits = self.backend.get_into(binding.keys([page_hash_of(key) for key in keys]), list(target_locations))
         except StorageError as exc:
             if exc.status is ErrorStatus.PERMANENT:
                 raise
             logger.warning("hicache_storage: read of %d pages failed, treated as misses: %s", len(keys), exc)
             return [None] * len(keys)
+        self._record("prefetch", len(keys), sum(_nbytes(t) for t in target_locations), time.perf_counter() - start)
         return [target if hit else None for target, hit in zip(target_locations, hits)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -348,17 +451,22 @@ class HiCacheStorageAdapter(HiCacheStorage):
         """Store every page; ``True`` only if all are stored (SGLang's legacy contract)."""
         if not keys:
             return True
-        if not self._writes(self._require_scope()):
+        binding = self._binding(PoolName.KV.value)
+        if not binding.writes:
             return True
         if values is None:
             raise InvalidArgumentError("batch_set() needs one page tensor per key")
+        values = list(values)
+        start = time.perf_counter()
         try:
-            return all(self.backend.put_from(self._keys(keys), list(values)))
+            ok = all(self.backend.put_from(binding.keys([page_hash_of(key) for key in keys]), values))
         except StorageError as exc:
             if exc.status is ErrorStatus.PERMANENT:
                 raise
             logger.warning("hicache_storage: write of %d pages failed: %s", len(keys), exc)
             return False
+        self._record("backup", len(keys), sum(_nbytes(v) for v in values), time.perf_counter() - start)
+        return ok
 
     # --- pool transfers (v2: KV plus side pools such as mamba, swa, indexer) ------------------
 
@@ -375,48 +483,49 @@ class HiCacheStorageAdapter(HiCacheStorage):
         keys it transfers): the KV prefix bounds the answer, and ``restorable_prefix_pages`` lists
         every cut all pools accept, since a trailing pool may accept cut 5 but not 4. A pool's own
         hit is reported when the lookup knows it (see :class:`~hicache_storage.multipool.PoolCuts`)
-        and is not 0. A failed query of a pool counts as that pool holding nothing, unless its
-        error is permanent (then it raises).
+        and is not 0. A logical KV anchor (DeepSeek V4) does not vote: its side pools decide. A
+        failed query of a pool counts as that pool holding nothing, unless its error is permanent
+        (then it raises).
         """
-        kv = self._require_scope()
-        pools = [PoolSpec(PoolName.KV.value, scope=kv)]
-        # The KV pool is always asked over every key with all_pages; a KV transfer adds nothing.
+        hashes = [page_hash_of(key) for key in keys]
+        kv = self._binding(PoolName.KV.value)
+        pools: list[PoolSpec] = []
+        if kv.io is not PageIO.LOGICAL:
+            for g, scope in enumerate(kv.scopes):
+                pools.append(PoolSpec(PoolName.KV.value if g == 0 else f"kv_heads{g}", scope=scope))
         for transfer in pool_transfers or []:
-            if str(transfer.name) != PoolName.KV.value:
-                pools.append(replace(_pool_spec(transfer), scope=self._scope_for(transfer.name)))
-        found = MultiPoolStore(self.backend, kv, pools).lookup([page_hash_of(key) for key in keys], degrade=True)
-        hits = {name: pages for name, pages in found.pool_hits.items() if pages}
+            name = str(transfer.name)
+            if name == PoolName.KV.value:
+                continue  # the KV pool is always asked, over every key
+            binding = self._binding(name)
+            if binding.io is PageIO.LOGICAL:
+                continue
+            pools.append(replace(_pool_spec(transfer), scope=binding.scopes[0]))
+        if not any(spec.hit_policy is HitPolicy.ALL_PAGES for spec in pools):
+            # Nothing holds every page of the prefix (a logical anchor and trailing pools only):
+            # nothing proves the head of the prefix is restorable.
+            return PoolTransferResult(0, {}, [])
+        found = MultiPoolStore(self.backend, pools[0].scope or kv.scopes[0], pools).lookup(hashes, degrade=True)
+        hits = {name: pages for name, pages in found.pool_hits.items() if pages and not name.startswith("kv_heads")}
         return PoolTransferResult(found.longest, hits, list(found.cuts))
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {
-            str(t.name): self._pool_get(self._pool(t.name), self._scope_for(t.name), t.keys or [], t.host_indices)
-            for t in transfers
-        }
+        return {str(t.name): self._pool_get(self._binding(t.name), t.keys or [], t.host_indices) for t in transfers}
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {
-            str(t.name): self._pool_set(self._pool(t.name), self._scope_for(t.name), t.keys or [], t.host_indices)
-            for t in transfers
-        }
-
-    def _pool(self, name: Any) -> Any:
-        if str(name) == PoolName.KV.value:
-            return self.mem_pool_host
-        pools = getattr(self, "registered_pools", {})
-        if name not in pools:
-            raise InvalidArgumentError(f"no host pool registered under {str(name)!r}")
-        return pools[name]
+        return {str(t.name): self._pool_set(self._binding(t.name), t.keys or [], t.host_indices) for t in transfers}
 
     # --- housekeeping -------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove this deployment's pages (its namespaces, every shard) and nothing else."""
-        for namespace in {scope.namespace for scope in self._pool_scopes.values()}:
+        """Remove this deployment's pages (the namespace of every registered pool, every shard) and nothing else."""
+        with self._lock:
+            namespaces = set().union(*(binding.namespaces for binding in self.bindings.values()))
+        for namespace in namespaces:
             self.backend.clear(namespace)
 
     def get_stats(self) -> Any:
@@ -469,22 +578,104 @@ def _format_name(pool: Any) -> str:
     return f"{name}+{tag}" if tag else name
 
 
-def _page_segments(pool: Any, pages: int, host_indices: torch.Tensor) -> tuple[list[list[RawBuffer]], int]:
-    """Each page's (address, size) segments in the host pool, from its ``get_page_buffer_meta``."""
+def _page_io(pool: Any, name: str) -> PageIO:
+    """How ``pool``'s pages move: decided once, at registration, by asking the pool to describe page 0.
+
+    A pool whose page is neither runs nor a non-empty flat page holds no bytes of its own
+    (DeepSeek V4's ``LogicalHostPool``, an MLA host pool built allocator-only).
+    """
+    if getattr(pool, "_is_dummy", False):
+        return PageIO.LOGICAL
+    try:
+        meta = pool.get_page_buffer_meta(torch.arange(pool.page_size, dtype=torch.int64))
+    except (NotImplementedError, ValueError, AssertionError, AttributeError) as exc:
+        logger.debug("hicache_storage: pool %r cannot describe a page as runs (%s)", name, exc)
+        meta = None
+    if meta and len(meta[0]) and len(meta[0]) == len(meta[1]):
+        return PageIO.SEGMENTS
+    flat = pool.get_dummy_flat_data_page() if hasattr(pool, "get_dummy_flat_data_page") else None
+    return PageIO.FLAT if flat is not None and _nbytes(flat) else PageIO.LOGICAL
+
+
+def _is_replicated(pool: Any, name: str, rank_replicated: bool) -> bool:
+    """Whether ``pool`` holds the same bytes on every TP rank.
+
+    On an MLA (rank-replicated) deployment every pool is, except what SGLang shards by TP rank
+    there: Mamba state, and a pool of SGLang's MHA class (an EAGLE draft on an MLA target, an MHA
+    sliding-window pool).
+    """
+    if not rank_replicated or name == PoolName.MAMBA.value:
+        return False
+    return not any(cls.__name__ == "MHATokenToKVPoolHost" for cls in type(pool).__mro__)
+
+
+def _geometry(pool: Any, io: PageIO, head_groups: int) -> str:
+    """The shape of one stored value of ``pool``: its layer count (draft layers packed in
+    included) and byte size, and ``flat`` when pages move as flat copies (their byte order is
+    the pool's ``get_data_page``, not its runs)."""
+    layers = getattr(pool, "layer_num", None)
+    if io is PageIO.FLAT:
+        nbytes, kind = _nbytes(pool.get_dummy_flat_data_page()), ",flat"
+    else:
+        indices = torch.arange(pool.page_size, dtype=torch.int64)
+        _, sizes = (
+            pool.get_split_heads_page_buffer_meta(indices, head_groups) if head_groups > 1 else pool.get_page_buffer_meta(indices)
+        )
+        nbytes, kind = sum(int(size) for size in sizes) // head_groups, ""
+    return f"layers={layers},bytes={nbytes}{kind}"
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes in a page value: a tensor, or a list of (address, size) runs."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(segment.size for segment in value)
+
+
+def _per_page(results: list[bool], head_groups: int) -> list[bool]:
+    """One result per page from one per stored value (a page is stored when all its head groups are)."""
+    if head_groups == 1:
+        return list(results)
+    return [all(results[i : i + head_groups]) for i in range(0, len(results), head_groups)]
+
+
+def _page_sources(binding: PoolBinding, pages: int, host_indices: torch.Tensor, needed: set[int]) -> list[Any]:
+    """What each value of ``pages`` pages is written from: its runs, or for a FLAT pool a flat copy
+    of the page (made only for the ``needed`` pages; the others are ``None``)."""
+    if binding.io is PageIO.SEGMENTS:
+        return _page_segments(binding, pages, host_indices)[0]
+    _check_indices(binding.pool, pages, host_indices)
+    page_size = binding.pool.page_size
+    return [
+        binding.pool.get_data_page(int(host_indices[p * page_size]), flat=True).contiguous() if p in needed else None
+        for p in range(pages)
+    ]
+
+
+def _check_indices(pool: Any, pages: int, host_indices: torch.Tensor | None) -> None:
     page_size = pool.page_size
     if host_indices is None or host_indices.numel() != pages * page_size:
         got = 0 if host_indices is None else host_indices.numel()
+        raise InvalidArgumentError(f"{pages} keys need {pages * page_size} host indices (page_size={page_size}), got {got}")
+
+
+def _page_segments(binding: PoolBinding, pages: int, host_indices: torch.Tensor) -> tuple[list[list[RawBuffer]], int]:
+    """Each value's (address, size) runs in the host pool, from its ``get_page_buffer_meta``
+    (``get_split_heads_page_buffer_meta`` when a page is stored as head groups)."""
+    pool = binding.pool
+    _check_indices(pool, pages, host_indices)
+    if binding.head_groups > 1:
+        ptrs, sizes = pool.get_split_heads_page_buffer_meta(host_indices, binding.head_groups)
+    else:
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    values = pages * binding.head_groups
+    if len(ptrs) != len(sizes) or len(ptrs) % values:
         raise InvalidArgumentError(
-            f"{pages} keys need {pages * page_size} host indices (page_size={page_size}), got {got}"
+            f"host pool {binding.name!r} returned {len(ptrs)} addresses and {len(sizes)} sizes for {values} values; "
+            "expected the same whole number of segments per value"
         )
-    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-    if len(ptrs) != len(sizes) or len(ptrs) % pages:
-        raise InvalidArgumentError(
-            f"host pool returned {len(ptrs)} addresses and {len(sizes)} sizes for {pages} pages; "
-            "expected the same whole number of segments per page"
-        )
-    per_page = len(ptrs) // pages
+    per_value = len(ptrs) // values
     segments = [
-        [RawBuffer(int(ptrs[i]), int(sizes[i])) for i in range(p * per_page, (p + 1) * per_page)] for p in range(pages)
+        [RawBuffer(int(ptrs[i]), int(sizes[i])) for i in range(v * per_value, (v + 1) * per_value)] for v in range(values)
     ]
     return segments, sum(int(size) for size in sizes)

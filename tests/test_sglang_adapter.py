@@ -255,12 +255,13 @@ def test_mooncake_round_trip_from_the_registered_host_pool(request: pytest.Fixtu
 
 def test_segments_per_page_follow_the_pool(open_adapter: Any) -> None:
     """Page-first MHA pages are two segments (K, V); MLA one; layer-first one per layer and half."""
-    from hicache_storage.sglang import _page_segments
+    from hicache_storage.sglang import PageIO, PoolBinding, _page_segments
 
     cases = [("mha", "page_first", 2), ("mla", "page_first", 1), ("mha", "layer_first", 6), ("mla", "layer_first", 3)]
     for kind, layout, expected in cases:
         pool = make_host_pool(kind, layout)
-        segments, total = _page_segments(pool, 2, host_indices(pool, [1, 2]))
+        binding = PoolBinding("kv", pool, PageIO.SEGMENTS, scopes=(), writes=True)
+        segments, total = _page_segments(binding, 2, host_indices(pool, [1, 2]))
         assert [len(s) for s in segments] == [expected, expected]
         assert total == 2 * len(page_bytes(pool, 1))
 
@@ -423,7 +424,7 @@ def test_v2_lookup_asks_each_pool_under_its_own_scope(open_adapter: Any) -> None
     other = ranks[1].batch_exists_v2(keys, [query])
     assert (other.kv_hit_pages, other.restorable_prefix_pages, other.extra_pool_hit_pages) == (0, [], {"kv": 6})
 
-    scope = ranks[0]._scope_for(PoolName.MAMBA)
+    scope = ranks[0].bindings[PoolName.MAMBA.value].scopes[0]
     assert (scope.namespace.kv_dtype, scope.shard.replicated, scope.part) == ("float16", False, "mamba")
     assert ranks[0].backend.exists(scope.keys([page_hash_of(keys[2])])) == [True]
     # Page 5 is stored in the KV pool only: under the state's scope its hash names nothing.
@@ -673,11 +674,8 @@ def test_unsupported_layout_and_unregistered_pool_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="register_mem_pool_host"):
         adapter.batch_exists(chain(1))
     pool = make_host_pool()
-    pool.layout = "page_head"
-    with pytest.raises(ConfigError, match="page_head"):
-        adapter.register_mem_pool_host(pool)
-    pool.layout, pool.kv_buffer = "page_first", None
-    with pytest.raises(ConfigError, match="logical anchor"):
+    pool.layout = "page_diagonal"
+    with pytest.raises(ConfigError, match="page_diagonal.*page_first_kv_split, page_head"):
         adapter.register_mem_pool_host(pool)
     good = make_host_pool()
     adapter.register_mem_pool_host(good)
