@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import os
+
 import pytest
+
+# tests/sglang_tier runs in SGLang's own environment (scripts/sglang_env.sh, run by scripts/test.sh).
+collect_ignore = [] if os.environ.get("HICACHE_SGLANG_TIER") else ["sglang_tier"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,259 @@
+"""SGLang's own cache stack on the CPU, with our adapter as its L3, driven the way its scheduler does.
+
+What runs is SGLang 0.5.23's code: ``UnifiedRadixCache`` builds its host pools and its
+``HybridCacheController`` (``init_hicache``), the controller builds our adapter through its
+``dynamic`` loader, registers every pool, and its own backup and prefetch threads call the
+adapter. What this module supplies is only what a CPU machine outside a launched server lacks
+(see :func:`prepare_cpu`) and the steps a scheduler would take: insert a request's tokens, back
+its path up to host and storage, and on a fresh cache prefetch the prefix from storage and load it
+back to the device.
+
+The device pools are built by SGLang's own unit-test kit (``sglang.test.kits.unified_radix_cache``);
+MLA swaps the kit's ``MHATokenToKVPool`` for SGLang's ``MLATokenToKVPool``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+
+_PREPARED = False
+
+
+def prepare_cpu() -> None:
+    """What SGLang's cache code needs on a CPU outside a launched server (idempotent):
+
+    * the kit's ``get_device`` raises without an accelerator: the device is ``"cpu"``;
+    * host pools pin their memory with ``cudaHostRegister``: pinning is off;
+    * ``torch.cpu.Stream`` has no ``synchronize`` (SGLang calls it after a failed submission);
+    * the host<->device copy ops are bound only under CUDA/ROCm/XPU: ours (:mod:`cpu_ops`).
+    """
+    global _PREPARED
+    if _PREPARED:
+        return
+    import sglang.srt.mem_cache.pool_host.base as host_base
+    import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures
+
+    import cpu_ops
+
+    kit_fixtures.get_device = lambda *args, **kwargs: "cpu"
+    host_init = host_base.HostKVCache.__init__
+
+    def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        host_init(self, *args, **kwargs)
+
+    host_base.HostKVCache.__init__ = unpinned_init
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = lambda self: None
+    cpu_ops.install()
+    _PREPARED = True
+
+
+@dataclass
+class Deployment:
+    """One SGLang deployment's cache settings and the store it uses as L3."""
+
+    connector: str
+    connector_config: dict[str, Any]
+    layout: str = "page_first"
+    mla: bool = False
+    components: tuple[str, ...] = ("FULL",)
+    page_size: int = 4
+    layers: int = 4
+    tp_rank: int = 0
+    tp_size: int = 1
+    model: str = "tier/model"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def io_backend(self) -> str:
+        return "direct" if self.layout == "page_first_direct" else "kernel"
+
+    def extra_config(self) -> dict[str, Any]:
+        return {
+            "backend_name": "hicache",
+            "module_path": "hicache_storage.sglang",
+            "class_name": "HiCacheStorageAdapter",
+            "interface_v1": 1,
+            "connector": self.connector,
+            "connector_config": self.connector_config,
+            "model": self.model,
+            "prefetch_threshold": 1,
+            **self.extra,
+        }
+
+
+class Engine:
+    """One ``UnifiedRadixCache`` with HiCache and our adapter as L3."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        prepare_cpu()
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+        from sglang.test.kits.unified_radix_cache import fixtures as kit
+        from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+        self.deployment = deployment
+        self._exit = ExitStack()
+        self._exit.enter_context(
+            get_parallel().override(
+                tp_rank=deployment.tp_rank, tp_size=deployment.tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+            )
+        )
+        self.cfg = CacheConfig(
+            page_size=deployment.page_size,
+            components=tuple(ComponentType[name] for name in deployment.components),
+            num_layers=deployment.layers,
+            full_attention_layer_ids=tuple(range(1, deployment.layers, 2)),
+            sliding_window_size=2 * deployment.page_size if "SWA" in deployment.components else None,
+            head_num=2,
+            head_dim=8,
+            kv_size=512,
+            max_context_len=512,
+        )
+        with ExitStack() as build:
+            if deployment.mla:
+
+                def mla_pool(*, size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver):
+                    return MLATokenToKVPool(
+                        size=size, page_size=page_size, dtype=dtype, kv_lora_rank=12, qk_rope_head_dim=4,
+                        layer_num=layer_num, device=device, enable_memory_saver=enable_memory_saver,
+                    )  # fmt: skip
+
+                build.enter_context(mock.patch.object(kit, "MHATokenToKVPool", mla_pool))
+            self.cache, self.allocator, self.req_to_token_pool = kit.build_fixture(self.cfg)
+        server_args = ServerArgs(
+            model_path="dummy",
+            page_size=deployment.page_size,
+            hicache_io_backend=deployment.io_backend,
+            hicache_mem_layout=deployment.layout,
+            hicache_write_policy="write_through",
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps(deployment.extra_config()),
+            hicache_storage_prefetch_policy="wait_complete",
+            hicache_host_memory_mode="cache",
+        )
+        set_global_server_args_for_scheduler(server_args)
+        self.cache.init_hicache(server_args, self.cache.cache_init_params)
+        kit.drop_hicache_atexit_pin(self.cache)
+        self.cache.write_through_threshold = 1 << 30
+        self.cache.load_back_threshold = 0
+        controller = self.cache.cache_controller
+        # The kit sizes host and device pools equally, which leaves no prefetch capacity.
+        controller.prefetch_capacity_limit = max(controller.prefetch_capacity_limit, controller.mem_pool_host.size)
+
+    @property
+    def adapter(self) -> Any:
+        return self.cache.cache_controller.storage_backend
+
+    def close(self) -> None:
+        try:
+            self.cache.cache_controller._stop_storage_threads()
+            self.cache.release_host_resources()
+            self.adapter.close()
+        finally:
+            self._exit.close()
+
+    # --- the device KV --------------------------------------------------------------------------
+
+    def _device_buffers(self) -> list[torch.Tensor]:
+        pool = self.allocator.get_kvcache()
+        pool = getattr(pool, "full_kv_pool", pool)
+        if hasattr(pool, "k_buffer"):
+            return list(pool.k_buffer) + list(pool.v_buffer)
+        return list(pool.kv_buffer)
+
+    def fill(self, indices: torch.Tensor, seed: int) -> list[torch.Tensor]:
+        """Random bytes in every full-attention layer's rows ``indices``; returns what was written."""
+        generator = torch.Generator().manual_seed(seed)
+        written = []
+        for buffer in self._device_buffers():
+            rows = buffer[indices]
+            data = torch.randint(0, 256, rows.view(torch.uint8).shape, dtype=torch.uint8, generator=generator)
+            buffer[indices] = data.view(buffer.dtype).view(rows.shape)
+            written.append(buffer[indices].clone())
+        return written
+
+    def snapshot(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer[indices].clone() for buffer in self._device_buffers()]
+
+    # --- what the scheduler does ----------------------------------------------------------------
+
+    def insert(self, tokens: list[int]) -> Any:
+        """Put ``tokens`` in the tree on the device (as a finished prefill does); returns the leaf."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
+
+        value = self.allocator.alloc(len(tokens))
+        params = InsertParams(key=RadixKey(array("q", tokens)), value=value[: len(tokens)])
+        if self.cfg.has_mamba:
+            req = self.req_to_token_pool.alloc_one() if hasattr(self.req_to_token_pool, "alloc_one") else None
+            params.mamba_value = req
+        self.cache.insert(params)
+        return match_prefix(self.cache, tokens).last_device_node
+
+    def path(self, node: Any) -> list[Any]:
+        from sglang.test.kits.unified_radix_cache.fixtures import node_parent
+
+        chain = []
+        while node != self.cache.root_node_handle():
+            chain.append(node)
+            node = node_parent(self.cache, node)
+        return chain[::-1]
+
+    def back_up(self, leaf: Any, timeout: float = 30.0) -> None:
+        """Device -> host for the whole path, then host -> storage, and wait until storage acked."""
+        from sglang.test.kits.unified_radix_cache.fixtures import write_backup
+
+        for node in self.path(leaf):
+            if not self.cache.tree_core.is_backuped(node):
+                write_backup(self.cache, node, write_back=True)
+        self.cache.writing_check(write_back=True)
+        for node in self.path(leaf):
+            self.cache.write_backup_storage(node)
+        deadline = time.monotonic() + timeout
+        while self.cache.ongoing_backup and time.monotonic() < deadline:
+            self.cache.drain_storage_control_queues()
+            time.sleep(0.01)
+        self.cache.drain_storage_control_queues()
+        assert not self.cache.ongoing_backup, "SGLang's storage backups did not finish"
+
+    def restore(self, tokens: list[int], timeout: float = 30.0) -> tuple[int, list[torch.Tensor]]:
+        """Prefetch ``tokens`` from storage into host, load the host hit to the device.
+
+        Returns the tokens now on the device and their KV rows.
+        """
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
+
+        request = CacheRequestHandle(f"restore-{id(tokens)}", 0)
+        self.cache.prefetch_from_storage(request, self.cache.root_node_handle(), array("q", tokens), None, None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            if self.cache.check_prefetch_progress(request):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("SGLang's prefetch did not finish")
+        match = match_prefix(self.cache, tokens)
+        if match.host_hit_length:
+            assert self.cache.load_back(match.last_host_node) is not None
+            self.cache.ready_to_load_host_cache()
+            for ack in list(self.cache.cache_controller.ack_load_queue):
+                ack.finish_event.synchronize()
+            self.cache.loading_check()
+        match = match_prefix(self.cache, tokens)
+        indices = self.cache.path_device_indices(match.last_device_node)
+        return match.device_prefix_len, self.snapshot(indices)
