@@ -18,7 +18,10 @@ What it adds over SGLang's built-in backends:
 * **Zero-copy pages.** ``batch_get_v1`` / ``batch_set_v1`` turn the host pool's
   ``get_page_buffer_meta`` (address, size) pairs into :class:`~hicache_storage.buffers.RawBuffer`
   segments: one page is one value made of its segments (K and V halves for MHA page-first, one
-  run for MLA, one per layer and half for layer-first).
+  run for MLA, one per layer and half for layer-first). A pool that cannot describe a page as runs
+  moves whole flat pages; a pool without bytes (DeepSeek V4's logical anchor) moves nothing.
+* **Every pool SGLang registers**, each keyed under its own dtype and page geometry, replicated or
+  TP-sharded as SGLang holds it (see :class:`PoolBinding`).
 * **Per-key results and typed errors** from the connector; a store that is down (an error whose
   status is temporary, or persistent once a retry layer gave up) degrades to misses and logged
   warnings instead of killing SGLang's I/O threads; a permanent error is raised.

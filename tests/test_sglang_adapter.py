@@ -1,15 +1,17 @@
-"""The SGLang adapter, built by SGLang's own factory, moving pages of SGLang's own host pool code.
+"""The SGLang adapter, built by SGLang's own factory, moving pages of SGLang's own host pool code,
+in the project's environment.
 
-SGLang's host pool classes (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) cannot be
-imported on this CPU machine: ``sglang.srt.mem_cache.pool_host`` imports ``memory_pool``, which
-imports ``sglang.srt.configs``, which imports transformers' image processors, which need a
-``torchvision`` built for the installed torch; the only torchvision wheel reachable is a CUDA
-build that fails to import against torch 2.13+cpu ("operator torchvision::nms does not exist").
-So the host pool here is the closest faithful stand-in: the methods that decide a page's bytes
-and addresses (``init_kv_buffer``, ``get_page_buffer_meta``, ``get_data_page``,
-``set_from_flat_data_page``, ``get_dummy_flat_data_page``, and the DCP page helpers) are compiled
-from the installed SGLang source file, unchanged, and run over a plain CPU allocation
-(``pin_memory`` off). Only the allocator and the constructor's bookkeeping are ours.
+SGLang's own cache stack (``UnifiedRadixCache``, ``HybridCacheController``, the real host pools)
+drives the adapter in tests/sglang_tier, in SGLang's own environment. This file keeps what that
+tier does not reach: every case on three connectors (memory, file, redis), TP and PP ranks side by
+side, deployments of another identity kept apart, three ``STORAGE_BATCH_SIZE`` batches, failing
+stores. The project's torch (2.13.0+cpu) cannot import SGLang's host pool module
+(``sglang.srt.configs`` imports transformers' image code, which needs a torchvision built for the
+installed torch), so the methods that decide a page's bytes and addresses (``init_kv_buffer``,
+``get_page_buffer_meta``, ``get_data_page``, ``set_from_flat_data_page``,
+``get_dummy_flat_data_page``, and the DCP page helpers) are compiled from the installed SGLang
+source, unchanged, over a plain CPU allocation (``pin_memory`` off). Only the allocator and the
+constructor's bookkeeping are ours.
 """
 
 from __future__ import annotations
