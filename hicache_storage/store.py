@@ -10,6 +10,8 @@ conformance suite). It owns everything that is the same for every connector:
   becomes a list of flat segments;
 * **batch splitting** to ``max_batch``, and ``prefix_exists`` stopping at the first batch with a
   miss;
+* **empty batches**: answered here, after validation (``[]``, or ``0`` from ``prefix_exists``);
+  no level of the stack ever sees a call with no keys, so a connector need not handle one;
 * **result checking**: one ``bool`` per key from every level of the stack
   (:func:`check_results`, applied by each level's public hooks, see
   :mod:`hicache_storage.backend`), else ``BackendContractError``;
@@ -266,6 +268,7 @@ class Store:
         return self.top.hook_delete(keys)
 
     def _run_batches(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
+        # An empty batch runs no chunk: the stack never sees a call with no keys.
         step = self.capabilities.max_batch or len(keys) or 1
         results: list[bool] = []
         for start in range(0, len(keys), step):
@@ -282,6 +285,8 @@ class Store:
         with its earlier value, so only each key's last position is written, and every position
         gets its key's result. A batch within ``max_batch`` reaches the connector as given.
         """
+        if not keys:
+            return []  # answered here: the stack never sees a call with no keys
         step = self.capabilities.max_batch
         if not step or len(keys) <= step:
             return self.top.hook_put_from(keys, sources)

@@ -210,3 +210,69 @@ def test_stats_count_what_happened():
 def test_get_requires_a_size():
     with pytest.raises(InvalidArgumentError, match="size"):
         MemoryBackend().get(keys(1), -1)
+
+
+class RefusesEmptyCalls(MemoryBackend):
+    """A connector whose hooks raise on a call with no keys (as 3FS's first put once did) and
+    record every call they get."""
+
+    name = "refuses-empty"
+    capabilities = Capabilities(delete=True, clear=True, max_batch=2)
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.calls = []
+
+    def _record(self, operation, keys):
+        if not keys:
+            raise ValueError(f"{operation} called with no keys")
+        self.calls.append((operation, len(keys)))
+
+    def _exists(self, keys):
+        self._record("exists", keys)
+        return super()._exists(keys)
+
+    def _get_into(self, keys, targets):
+        self._record("get", keys)
+        return super()._get_into(keys, targets)
+
+    def _put_from(self, keys, sources):
+        self._record("put", keys)
+        return super()._put_from(keys, sources)
+
+    def _delete(self, keys):
+        self._record("delete", keys)
+        return super()._delete(keys)
+
+
+@pytest.mark.parametrize("layers", [None, [{"kind": "integrity"}, {"kind": "retry"}, {"kind": "metrics"}, {"kind": "timeout", "seconds": 5}]])
+def test_empty_batches_are_answered_by_the_facade(layers):
+    """An empty batch never reaches any level of the stack, and still counts as the caller's call."""
+    from hicache_storage.wrappers import wrap
+
+    connector = RefusesEmptyCalls()
+    store = wrap(connector, layers)
+    assert store.exists([]) == []
+    assert store.prefix_exists([]) == 0
+    assert store.get_into([], []) == []
+    assert store.get([], 4) == []
+    assert store.put_from([], []) == []
+    assert store.put([], []) == []
+    assert store.delete([]) == []
+    assert connector.calls == []
+    stats = store.stats()
+    # prefix_exists counts each batch it asks: an empty one asks none
+    assert (stats["exists_calls"], stats["get_calls"], stats["put_calls"], stats["delete_calls"]) == (1, 2, 2, 1)
+    assert store.put(keys(3), [b"x"] * 3) == [True] * 3  # a non-empty batch still reaches it, split to max_batch
+    assert [call for call in connector.calls if call[0] == "put"] == [("put", 1), ("put", 2)]
+
+
+def test_an_empty_batch_is_still_validated():
+    store = RefusesEmptyCalls()
+    with pytest.raises(InvalidArgumentError, match="0 keys but 1 buffers"):
+        store.put_from([], [b"x"])
+    with pytest.raises(UnsupportedOperationError, match="delete"):
+        ExistsOnly().delete([])
+    store.close()
+    with pytest.raises(BackendClosedError):
+        store.put_from([], [])
