@@ -185,11 +185,18 @@ class HF3FSBackend(StorageBackend):
 
     def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
         cfg: HF3FSConfig = self.config
+        if not keys:
+            return []  # no page to write, and none to learn the slot size from
         sizes = [segments_size(s) for s in sources]
-        page_size = self._index.page_size or self._set_page_size(max(sizes))
+        # Without page_size_bytes the first put fixes the slot size: its largest page, and at
+        # least one aligned block (a put of zero-byte pages still needs slots of some size).
+        page_size = self._index.page_size or self._set_page_size(max(*sizes, 1))
         too_big = [s for s in sizes if s > page_size]
         if too_big:
-            raise ValueTooLargeError(f"a page of {too_big[0]} bytes does not fit in this store's {page_size}-byte slots")
+            raise ValueTooLargeError(
+                f"a page of {too_big[0]} bytes does not fit in this store's {page_size}-byte slots; set page_size_bytes "
+                "to the largest page (without it, the first put fixes the slot size from its largest page)"
+            )
         slots = self._guard(lambda: self._index.reserve(len(keys)), "put")
         if not slots and keys:
             raise CapacityError(f"no free slot in rank {cfg.rank}'s files and none to evict; raise file_size or numjobs")

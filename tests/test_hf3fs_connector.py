@@ -259,6 +259,26 @@ def test_page_size_is_fixed_by_the_first_write(tmp_path: Path, index_config: dic
             store.put(keys[2:], [bytes(2 * SLOT + 1)])
 
 
+def test_hooks_take_empty_calls_before_the_slot_size_is_known(tmp_path: Path, index_config: dict[str, Any]) -> None:
+    """The facade never passes an empty call down, but the hooks called directly take one too, and
+    an empty put fixes no slot size (it once raised a bare ValueError from max() of nothing)."""
+    config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
+    with HF3FSBackend(config) as store:
+        assert store.hook_put_from([], []) == []
+        assert store.hook_exists([]) == [] and store.hook_get_into([], []) == [] and store.hook_delete([]) == []
+        assert store.capabilities.max_value_size is None, "an empty put must not fix the slot size"
+
+
+def test_a_first_put_of_zero_byte_pages_fixes_one_aligned_slot(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
+    with HF3FSBackend(config) as store:
+        keys = scope.keys(hashes(2, 9))
+        assert len(store.put(keys[:1], [b""])) == 1
+        assert store.capabilities.max_value_size == SLOT
+        assert store.put(keys[1:], [page(2)]) == [True]
+        assert store.get(keys[1:], SLOT) == [page(2)]
+
+
 @pytest.mark.services
 def test_shared_index_rejects_another_page_size(tmp_path: Path, redis_server: Any) -> None:
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "metadata_url": redis_server.url}
