@@ -65,9 +65,10 @@ class StopPolicy(str, enum.Enum):
 @dataclass(frozen=True)
 class PrefetchConfig:
     threshold_tokens: int = 256
-    #: ``timeout`` by default: it serves every page that arrives within its deadline. SGLang's
-    #: default, ``best_effort``, recomputed 10% of all prompt tokens more at the long-history
-    #: bench shape (83.7% vs 93.0% hit) and tied at the short one (docs/benchmarks.md).
+    #: ``timeout`` by default, as in SGLang 0.5.23 (``--hicache-storage-prefetch-policy``): it
+    #: serves every page that arrives within its deadline. ``best_effort`` recomputed 10% of all
+    #: prompt tokens more at the long-history bench shape (83.7% vs 93.0% hit) and tied at the
+    #: short one (docs/benchmarks.md).
     stop_policy: StopPolicy = StopPolicy.TIMEOUT
     timeout_base_s: float = 2.0
     timeout_per_ki_token_s: float = 0.1
