@@ -1,6 +1,11 @@
 """The ``hicache-storage`` command: list backends, run the conformance suite, benchmark a backend's I/O,
 and the commands other packages register (``bench``, from the HiCache core: see
-:mod:`hicache_storage.commands`)."""
+:mod:`hicache_storage.commands`).
+
+Every bad input (an unknown command or option, a value of the wrong form, a config or store spec
+that cannot be used, a server that does not answer when the command starts) is one line on
+stderr that says what was wrong, and exit status 2, before any work starts.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +14,42 @@ import importlib.util
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from hicache_storage.commands import UsageError, add_plugin_commands
 from hicache_storage.config import parse_size
+from hicache_storage.conformance.preflight import one_line
 from hicache_storage.errors import StorageError
+
+T = TypeVar("T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not hasattr(args, "run"):
-        parser.print_help()
-        return 2
     try:
         return args.run(args)
     except (StorageError, UsageError) as exc:
-        print(f"hicache-storage: error: {exc}", file=sys.stderr)
+        print(f"hicache-storage: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser that reports a bad argument as one line naming where the usage is
+    (argparse's own prints the whole usage first), with exit status 2. Subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="hicache-storage",
         description="Storage backends for the L3 tier of hierarchical KV caches (SGLang HiCache).",
     )
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     listing = commands.add_parser("list", help="list backends: availability, missing extras, capabilities")
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -99,21 +113,34 @@ def positive_size(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """A whole number above 0, as an option's value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text.strip()!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _usable(option: str, parse: Callable[[str], T], text: str) -> T:
+    """``parse(text)``, or a :class:`UsageError` naming ``option`` (for options parsed after argparse)."""
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+
+
 def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
     from hicache_storage.spec import open_store, store_spec
 
-    try:
-        page_sizes = [positive_size(s) for s in args.page_sizes.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"bench-io --page-sizes: {exc}") from None
+    page_sizes = [_usable("bench-io --page-sizes", positive_size, s) for s in args.page_sizes.split(",")]
+    batch_sizes = [_usable("bench-io --batch-sizes", positive_int, s) for s in args.batch_sizes.split(",")]
+    bytes_per_case = _usable("bench-io --bytes-per-case", positive_size, args.bytes_per_case)
     with open_store(store_spec(args.backend, args.config, args.wrappers)) as backend:
-        result = run_bench_io(
-            backend,
-            page_sizes=page_sizes,
-            batch_sizes=[int(s) for s in args.batch_sizes.split(",")],
-            bytes_per_case=positive_size(args.bytes_per_case),
-        )
+        result = run_bench_io(backend, page_sizes=page_sizes, batch_sizes=batch_sizes, bytes_per_case=bytes_per_case)
     print(render_markdown(result))
     print(f"written: {write_results(result, Path(args.out))}")
     return 0

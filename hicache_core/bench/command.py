@@ -7,12 +7,39 @@ SDK's CLI finds it there, so the SDK never imports the core.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from hicache_storage.commands import UsageError
 
 #: L1 (and L2) of a branch-backup run unless --device-tokens says otherwise.
 BRANCH_BACKUP_DEVICE_TOKENS = 32768
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text.strip()!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_rate(text: str) -> float:
+    """An argparse ``type``: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text.strip()!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text.strip()}")
+    return value
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -54,7 +81,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         choices=["best_effort", "wait_complete", "timeout"],
         help="when a request stops waiting for its prefetch (default: %(default)s, the engine's; docs/benchmarks.md compares them)",
     )
-    tiers.add_argument("--prefetch-threshold", type=int, default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
+    tiers.add_argument("--prefetch-threshold", type=at_least(0), default=256, help="least L3 hit, in tokens, worth a prefetch (default: %(default)s)")
     compute = bench.add_argument_group("compute")
     compute.add_argument(
         "--model",
@@ -65,9 +92,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     )
     compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: the model's: 4,000, Qwen2.5-7B on an NVIDIA L4)")
     compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: the model's: 50 ms, same GPU)")
-    compute.add_argument("--layers", type=int, default=None, help="modeled KV layers (default: 28, Qwen2.5-7B)")
-    compute.add_argument("--kv-heads", type=int, default=None, help="modeled KV heads (default: 4)")
-    compute.add_argument("--head-dim", type=int, default=None, help="modeled head dim (default: 128)")
+    compute.add_argument("--layers", type=at_least(1), default=None, help="modeled KV layers (default: 28, Qwen2.5-7B)")
+    compute.add_argument("--kv-heads", type=at_least(1), default=None, help="modeled KV heads (default: 4)")
+    compute.add_argument("--head-dim", type=at_least(1), default=None, help="modeled head dim (default: 128)")
     compute.add_argument("--dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16", "float16", "float32"], help="KV dtype (default: %(default)s)")
     bench.add_argument("--compare-stop-policies", action="store_true", help="instead: L1+L2+L3 under each stop policy, expensive and cheap recompute")
     experiment = bench.add_argument_group("experiments (the HiCache blog's)")
@@ -79,10 +106,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "checkpoint backfill on and off (hybrid --model only); prefilled-l3: L1+L2+L3 on an empty store and on one already "
         "holding the workload's KV",
     )
-    experiment.add_argument("--shared-tokens", type=int, default=6400, help="branch-backup: shared prefix (default: %(default)s)")
-    experiment.add_argument("--branch-tokens", type=int, default=3600, help="branch-backup: new tokens per branch (default: %(default)s)")
-    experiment.add_argument("--branches", type=int, default=10, help="branch-backup: requests for the prefix from L3 (default: %(default)s)")
-    bench.add_argument("--cheap-prefill-tokens-per-s", type=float, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
+    experiment.add_argument("--shared-tokens", type=at_least(1), default=6400, help="branch-backup: shared prefix (default: %(default)s)")
+    experiment.add_argument("--branch-tokens", type=at_least(1), default=3600, help="branch-backup: new tokens per branch (default: %(default)s)")
+    experiment.add_argument("--branches", type=at_least(1), default=10, help="branch-backup: requests for the prefix from L3 (default: %(default)s)")
+    bench.add_argument("--cheap-prefill-tokens-per-s", type=positive_rate, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
     bench.add_argument("--out", default="results", help="directory for bench.{json,md,png} (default: %(default)s)")
     bench.set_defaults(run=run_bench_command)
 
@@ -96,6 +123,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from hicache_core.bench.workload import Workload
     from hicache_core.controller import StopPolicy, WritePolicy
     from hicache_storage.config import load_config_source
+    from hicache_storage.conformance.preflight import check_options
 
     shape = dict(PRESETS[args.preset])
     if args.experiment == "branch-backup":
@@ -107,7 +135,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     try:
         tiers = tuple(TIER_CHOICES[t.strip()] for t in shape["tiers"].split(","))
     except KeyError as exc:
-        raise SystemExit(f"hicache-storage bench: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
+        raise UsageError(f"bench --tiers: unknown tier configuration {exc.args[0]!r}; choose from {', '.join(TIER_CHOICES)}") from None
+    if args.config is not None and args.backend is None:
+        raise UsageError("bench: --config configures the --backend named with it; add --backend (e.g. --backend file) or drop --config")
     try:
         workload = Workload(shape["clients"], shape["rounds"], shape["request_length"], args.output_length, args.max_running, not args.no_round_barrier, args.seed)
     except ValueError as exc:
@@ -144,6 +174,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"bench: {exc}") from None
+    if args.backend is not None:
+        # Opened once and closed before any run: an unknown backend, a bad config or a server that
+        # does not answer is one line now, not an error midway through the first run.
+        check_options(args.backend, args.config, None)
     from tqdm import tqdm
 
     if args.experiment == "branch-backup":
