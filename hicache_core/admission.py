@@ -75,7 +75,8 @@ class Admission:
                 if op.state is PrefetchState.PLANNED:
                     if prefetcher.try_issue(op) or blocked:
                         continue
-                    if prefetcher.pages_in_flight or self.controller.io_pending or self.running:
+                    busy = prefetcher.pages_in_flight or self.controller.io_pending or self.running
+                    if busy and not prefetcher.gives_up(op):
                         continue  # host pages come back as those reads, backups and requests end
                     # Nothing in flight will give host pages back (a hung store may hold some for
                     # good): compute rather than wait for a prefetch that cannot start.

@@ -6,9 +6,12 @@ backfill, when a component's state appears on a node already backed up). The op 
 own host allocator until the thread is done with it. Per pool, pages already stored (a live
 ``prefix_exists``) are skipped, except pages a prefetch found unreadable (``suspects``: they are
 rewritten); puts go in batches of at most ``batch_pages``, and the first failed batch ends the
-op. Only writer ranks (``shard.is_writer``) call the store, and a store given up
-(:class:`~hicache_core.storage_calls.StorageHealth`) is not called at all; every rank still
-acknowledges every op, so their trees change at the same agreed points.
+op. Only writer ranks (``shard.is_writer``) call the store; a store given up
+(:class:`~hicache_core.storage_calls.StorageHealth`) is not called at all, and while its breaker
+is open an op is skipped (``storage_backup_skipped_unhealthy``); every rank still acknowledges
+every op, so their trees change at the same agreed points. A put pins the host pages it reads
+only within the room :class:`~hicache_core.pin_cap.PinCap` grants; without room it writes from
+a private copy, so a put that hangs never holds more of the pool than the cap.
 
 Threads: the scheduler thread calls ``submit``, ``acknowledged`` and ``take``; the backup thread
 reads only the host pages of the ops it was handed and survives any exception from the store.
@@ -25,6 +28,7 @@ from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.op_thread import OpThread
+from hicache_core.pin_cap import PinCap, private_copy
 from hicache_core.suspects import SuspectPages
 from hicache_core.radix_tree import TreeNode
 from hicache_core.side_pools import PoolPages
@@ -47,10 +51,11 @@ class BackupOp:
 class StorageBackup:
     """The backup thread and its queue; acknowledgements come back in completion order."""
 
-    def __init__(self, metrics: CacheMetrics, batch_pages: int, suspects: SuspectPages) -> None:
+    def __init__(self, metrics: CacheMetrics, batch_pages: int, suspects: SuspectPages, pin_cap: PinCap) -> None:
         self.metrics = metrics
         self.batch_pages = batch_pages
         self.suspects = suspects
+        self.pin_cap = pin_cap
         #: Ops submitted and not taken back yet.
         self.outstanding = 0
         self._thread: OpThread[BackupOp] = OpThread("hicache-backup")
@@ -85,8 +90,11 @@ class StorageBackup:
 
     def _serve(self, store: MultiPoolStore, health: StorageHealth, writer: bool, op: BackupOp) -> None:
         try:
-            if writer and not health.failed:
-                self._run(store, health, op)
+            if writer:
+                if health.allows_call():
+                    self._run(store, health, op)
+                elif not health.failed:
+                    self.metrics.add(storage_backup_skipped_unhealthy=1)
         except Exception:  # never let one failure stop later backups
             log.exception("storage backup of %d pages failed", sum(len(p.hashes) for p in op.pools))
             self.metrics.add(storage_errors=1)
@@ -113,17 +121,32 @@ class StorageBackup:
         op.stored_pages += present - len(rewrite)
         self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
         pages = [*rewrite, *range(present, len(keys))]
-        step = self.batch_pages
-        for begin in range(0, len(pages), step):
-            batch = pages[begin : begin + step]
-            results = guarded_call(
-                self.metrics,
-                lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
-                None,
-                "put",
-                lambda exc: setattr(pool, "abandoned", exc),
-                health=health,
-            )
+        begin = 0
+        while begin < len(pages):
+            want = min(self.batch_pages, len(pages) - begin)
+            capped = pool.allocator is self.pin_cap.allocator
+            granted = self.pin_cap.acquire(want) if capped else want
+            batch = pages[begin : begin + (granted or want)]
+            begin += len(batch)
+            if granted:
+                try:
+                    results = guarded_call(
+                        self.metrics,
+                        lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
+                        None,
+                        "put",
+                        lambda exc: pool.abandon(batch, exc),
+                        health=health,
+                    )
+                finally:
+                    if capped:
+                        self.pin_cap.release(granted)
+            else:  # pages pinned by abandoned calls are at their cap: write from a private copy
+                self.metrics.add(storage_staged_calls=1)
+                sources = [private_copy(pool.buffers[i], fill=True) for i in batch]
+                results = guarded_call(
+                    self.metrics, lambda: store.backend.put_from([keys[i] for i in batch], sources), None, "put", lambda exc: None, health=health
+                )
             stored = leading_successes(results)
             if pool.rewrite_suspects:
                 suspects.forget(pool.hashes[i] for i in batch[:stored])

@@ -19,7 +19,13 @@ backup and prefetch threads touch only pool memory they were handed (pinned in t
 while I/O is in flight, so no page is freed or reused under a transfer) and report back through
 queues; ``poll`` applies their results. Both threads survive any exception from the backend
 (logged and counted); a store that hangs is bounded by the SDK's timeout wrapper
-(``storage_timeout_s``). A store that fails permanently (bad credentials, a connector breaking the
+(``storage_timeout_s``). Store health is a state: ``breaker.failures_to_open`` consecutive
+timeouts or temporary errors open the store's breaker (:mod:`hicache_storage.health`): no data
+calls (a prefetch finds nothing at once, a backup is skipped and counted), an ``exists`` of one
+key as a probe on a backoff, calls again once it answers; one log line and one counter
+(``storage_breaker_opened`` / ``_closed``) per transition. Host pages pinned by calls that timed
+out and may never return stay under ``abandoned_pages_fraction`` of the host pool
+(:mod:`hicache_core.pin_cap`). A store that fails permanently (bad credentials, a connector breaking the
 contract, retries exhausted) is given up until it is detached and attached again: both threads
 skip their work without calling it, said once in the log and in the ``storage_disabled`` counter
 (see :class:`~hicache_core.storage_calls.StorageHealth`). With tensor parallelism every timing-dependent decision is agreed
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.backend import StorageBackend
+from hicache_storage.health import BreakerConfig, BreakerState, CircuitBreaker
 from hicache_storage.keys import KeyScope
 from hicache_storage.multipool import MultiPoolStore, PoolSpec
 from hicache_storage.wrappers import stack_layers
@@ -44,6 +51,7 @@ from hicache_storage.wrappers import stack_layers
 from hicache_core.backup import BackupOp, StorageBackup
 from hicache_core.host_writes import HostWrites, PendingWrite
 from hicache_core.metrics import CacheMetrics
+from hicache_core.pin_cap import PinCap
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
 from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
@@ -77,6 +85,16 @@ class ControllerConfig:
     #: Back up a component's state that appears on a node already backed up (a branch point's
     #: recurrent checkpoint): without it nothing copies that state to the host and L3.
     backfill: bool = True
+    #: When the store counts as unhealthy (no data calls) and how it is probed.
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    #: The most host pages that storage calls abandoned on a timeout may pin, as a fraction of
+    #: the host pool; at the cap, calls go through private buffers (a copy) instead. (Applies
+    #: with ``storage_timeout_s``; without it no call is abandoned.)
+    abandoned_pages_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.abandoned_pages_fraction <= 1.0:
+            raise ValueError(f"abandoned_pages_fraction must be between 0 and 1, got {self.abandoned_pages_fraction}")
 
 
 class CacheController(HostWrites):
@@ -112,12 +130,18 @@ class CacheController(HostWrites):
         #: Loads in flight: the load, its target node, where its range starts, the nodes it fills.
         self._loads: list[tuple[LayerLoad, TreeNode, int, list[TreeNode]]] = []
         self._warned_host_too_small = False
+        #: Room for host pages that abandoned storage calls pin (see ``abandoned_pages_fraction``);
+        #: without a storage timeout the controller abandons no call, so there is no cap.
+        cap = None if config.storage_timeout_s is None or host is None else int(host.num_pages * config.abandoned_pages_fraction)
+        self.pin_cap = PinCap(host.allocator, cap) if host is not None else None
         self.prefetcher = (
-            Prefetcher(config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages)
-            if host is not None
+            Prefetcher(
+                config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages, pin_cap=self.pin_cap
+            )
+            if host is not None and self.pin_cap is not None
             else None
         )
-        self.backup = StorageBackup(self.metrics, config.batch_pages, self.prefetcher.suspects) if self.prefetcher else None
+        self.backup = StorageBackup(self.metrics, config.batch_pages, self.prefetcher.suspects, self.prefetcher.pin_cap) if self.prefetcher else None
 
     # --- storage attachment -------------------------------------------------------------------
 
@@ -140,10 +164,20 @@ class CacheController(HostWrites):
         self.storage, self.scope = backend, scope
         pools = [PoolSpec(scope.part), *(c.pool_spec(self.page_size) for c in self.components)]
         store = self.store = MultiPoolStore(backend, scope, pools)
-        health = self.storage_health = StorageHealth(self.metrics, given_name)
+        probe_key = scope.key("0" * 64)
+        breaker = CircuitBreaker(
+            given_name, lambda: backend.exists([probe_key]), self.config.breaker, on_transition=self._count_transition
+        )
+        health = self.storage_health = StorageHealth(self.metrics, given_name, breaker)
         assert self.backup is not None and self.prefetcher is not None
         self.backup.start(store, health, writer=scope.shard.is_writer)
         self.prefetcher.start(backend, scope, health, store)
+
+    def _count_transition(self, old: BreakerState, new: BreakerState) -> None:
+        if new is BreakerState.OPEN:
+            self.metrics.add(storage_breaker_opened=1)
+        else:
+            self.metrics.add(storage_breaker_closed=1)
 
     def storage_stack(self, backend: StorageBackend) -> StorageBackend:
         """``backend`` as the controller calls it: every call bounded within ``storage_timeout_s``.
@@ -170,6 +204,8 @@ class CacheController(HostWrites):
             return None
         self.storage = None
         assert self.backup is not None and self.prefetcher is not None
+        if self.storage_health is not None and self.storage_health.breaker is not None:
+            self.storage_health.breaker.close()
         self.backup.stop()
         self.prefetcher.stop()
         self.drain()
@@ -329,8 +365,10 @@ class CacheController(HostWrites):
     # --- progress ----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Apply finished device -> host copies and storage backups (counts agreed across ranks)."""
+        """Apply finished device -> host copies, storage backups and prefetches left to land (counts agreed across ranks)."""
         self._ack_writes()
+        if self.prefetcher is not None:
+            self.prefetcher.land()
         backup = self.backup
         ready = self.tp.scheduler.all_min(backup.acknowledged()) if backup is not None else 0
         self.completions += ready

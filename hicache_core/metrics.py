@@ -45,6 +45,8 @@ class CacheCounters:
     prefetch_seconds: float = 0.0
     prefetch_failed_batches: int = 0
     prefetch_dropped_tokens: int = 0
+    #: best_effort prefetches whose request stopped waiting before anything arrived, left to land in the tree
+    prefetch_left_to_land: int = 0
     # faults
     storage_errors: int = 0
     storage_timeouts: int = 0
@@ -52,6 +54,16 @@ class CacheCounters:
     storage_permanent_errors: int = 0
     #: times an attached store was given up after such an error (at most once per attachment)
     storage_disabled: int = 0
+    #: the store's breaker opening (consecutive timeouts or temporary errors) and closing (a probe answered)
+    storage_breaker_opened: int = 0
+    storage_breaker_closed: int = 0
+    #: data calls not made while the breaker was open
+    storage_skipped_calls: int = 0
+    #: prefetches answered "nothing stored" at once, and backups skipped, while the breaker was open
+    prefetch_skipped_unhealthy: int = 0
+    storage_backup_skipped_unhealthy: int = 0
+    #: calls made through private buffers because pages pinned by abandoned calls reached their cap
+    storage_staged_calls: int = 0
     # evictions
     device_evicted_tokens: int = 0
     host_evicted_tokens: int = 0

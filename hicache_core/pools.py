@@ -133,6 +133,12 @@ class PageAllocator:
         return sum(1 for page in self._free_when_unpinned if page not in self._abandoned)
 
     @property
+    def abandoned_pages(self) -> int:
+        """Pages pinned by I/O its caller abandoned (``unpin_io_when_settled``) that has not returned."""
+        with self._lock:
+            return len(self._abandoned)
+
+    @property
     def idle_pages(self) -> int:
         """Pages that can be handed out without waiting."""
         with self._lock:

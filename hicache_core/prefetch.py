@@ -10,17 +10,28 @@ lacks does not wait behind other requests' reads; the read thread reads in batch
 the store reported yet failed to read (corrupted, truncated, gone) is remembered in
 :attr:`Prefetcher.suspects`, so the next backup of that page rewrites it instead of skipping it
 as present. The scheduler stops waiting by the stop policy: ``best_effort`` (take what
-arrived once the first batch is back: an op stopped before the thread reached it would read
-nothing), ``wait_complete``, or ``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds
-after issue), then puts the completed pages into the tree as host copies.
+arrived once the first batch is back, and never wait longer than ``best_effort_wait_s`` after
+the op was planned: an op whose read is under way but has nothing back then is left to *land*,
+its pages put into the tree when it ends, so a refetch under way is not thrown away), ``wait_complete``, or
+``timeout`` (``min(max, base + per_ki * tokens / 1024)`` seconds after the thread began the op),
+then puts the completed pages into the tree as host copies.
+
+Store health: while the store's breaker is open (:mod:`hicache_storage.health`) an op is
+answered "nothing stored" at once, with no host pages taken and no call made
+(``prefetch_skipped_unhealthy``). A read pins host pages only within the room the
+:class:`~hicache_core.pin_cap.PinCap` grants (pages pinned by abandoned calls stay under their
+cap); without room it reads into private buffers and copies them in. A read that timed out keeps
+only its own batch's pages pinned until it returns; the op's other pages are released at once.
 
 Components (hybrid models): the op restores the longest cut every pool accepts
 (``MultiPoolStore.restorable_pages``) and reads each component's trailing pages before that
 cut with the FULL pages (:class:`~hicache_core.side_pools.SideFetch`); their state is placed at
 the cut only when every rank read all of it and every FULL page up to the cut.
 
-Page safety: an op's host pages are pinned in the allocator until the thread is done with them,
-so pages freed by an early stop are not reused while a read may still land in them.
+Page safety: the read thread pins an op's host pages in the allocator when it begins the op and
+until it is done with them, so pages freed by an early stop are not reused while a read may still
+land in them; an op stopped before the read thread began it is never read, and its pages are
+free at once (nothing waits for a read queued behind a hung call).
 
 Tensor parallelism: ranks agree on issuing (MAX of "rate-limited"), on the hit length (MIN, in
 the thread's own group, for every op in issue order, even a stopped one), on stopping (MAX of
@@ -45,6 +56,7 @@ from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.op_thread import OpThread
+from hicache_core.pin_cap import PinCap, copy_back, private_copy
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
 from hicache_core.side_pools import SideFetch, lead_hashes, tiered
@@ -73,6 +85,8 @@ class PrefetchConfig:
     timeout_base_s: float = 2.0
     timeout_per_ki_token_s: float = 0.1
     timeout_max_s: float = 30.0
+    #: ``best_effort``: the longest a request waits for its prefetch after it was planned.
+    best_effort_wait_s: float = 0.25
     #: Most host pages prefetches may hold at once; default: half the host pool.
     capacity_pages: int | None = None
 
@@ -103,13 +117,19 @@ class PrefetchOp:
     hashes: list[str]
     state: PrefetchState = PrefetchState.PLANNED
     host_indices: torch.Tensor | None = None
+    #: When ``Prefetcher.plan`` made the op: the ``best_effort`` bound's clock.
+    planned_at: float = field(default_factory=time.monotonic)
     issued_at: float = 0.0
+    #: Pages of the prefetch capacity the op holds until it is finished.
+    reserved_pages: int = 0
     #: When the prefetch thread began the op (``None`` while it waits behind earlier ops): the
     #: ``timeout`` policy's clock, so time queued behind other requests' reads is not charged.
     started_at: float | None = None
     hit_pages: int = 0
     completed_pages: int = 0
     terminate: threading.Event = field(default_factory=threading.Event)
+    #: Orders the read thread's pinning of the slots against ``finish`` freeing them.
+    lock: threading.Lock = field(default_factory=threading.Lock)
     #: Set once the first batch of reads has returned (or the op ended without one).
     first_batch: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -136,6 +156,7 @@ class Prefetcher:
         metrics: CacheMetrics,
         tp: TPContext,
         batch_pages: int,
+        pin_cap: PinCap,
     ) -> None:
         self.config = config
         self.tree = tree
@@ -144,6 +165,7 @@ class Prefetcher:
         self.metrics = metrics
         self.tp = tp
         self.batch_pages = batch_pages
+        self.pin_cap = pin_cap
         self.page_size = host.page_size
         self.capacity = config.capacity_pages or max(1, host.num_pages // 2)
         self.pages_in_flight = 0
@@ -160,11 +182,15 @@ class Prefetcher:
         self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch")
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = SuspectPages()
+        self._health: StorageHealth | None = None
+        #: ``best_effort`` ops their requests stopped waiting for before anything arrived: their
+        #: pages go into the tree when they end (``land``).
+        self._landing: list[PrefetchOp] = []
 
     def start(self, backend: StorageBackend, scope: KeyScope, health: StorageHealth, store: MultiPoolStore) -> None:
         """Read from ``backend`` (as ``store``'s pools) on a new thread; a prefetch finds nothing
         once ``health`` gave it up."""
-        self.storage, self.scope = backend, scope
+        self.storage, self.scope, self._health = backend, scope, health
         self._trailing = {c.name: store.pools[c.name].trailing_pages for c in self.components}
         self.lead_pages = max(self._trailing.values(), default=0)
         self._thread.start(lambda op: self._serve(self._read, store, health, op))
@@ -213,8 +239,18 @@ class Prefetcher:
         return op
 
     def try_issue(self, op: PrefetchOp) -> bool:
-        """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later."""
+        """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later.
+        While the store is not called (its breaker open, or given up) the op is answered
+        "nothing stored" at once (True)."""
         assert op.state is PrefetchState.PLANNED
+        health = self._health
+        if self.tp.scheduler.all_max(int(health is not None and not health.allows_call())):
+            op.host_indices = torch.empty(0, dtype=torch.long)
+            op.state = PrefetchState.REVOKED
+            op.first_batch.set()
+            op.done.set()
+            self.metrics.add(prefetch_skipped_unhealthy=1)
+            return True
         slots = None
         if self.pages_in_flight + op.pages <= self.capacity:
             slots = self.alloc_host(op.pages * self.page_size)
@@ -228,14 +264,11 @@ class Prefetcher:
         op.host_indices = slots
         op.issued_at = time.monotonic()
         op.state = PrefetchState.RUNNING
-        self.host.allocator.pin_io(slots)
         self._reserve_sides(op)
+        op.reserved_pages = op.pages
         self.pages_in_flight += op.pages
         self.metrics.add(prefetch_issued=1)
         if self.storage is None:  # detached meanwhile: nothing will read; release it as revoked
-            self.host.allocator.unpin_io(slots)
-            for side in op.sides:
-                side.component.host_allocator.unpin_io(side.slots)  # type: ignore[union-attr]
             op.state = PrefetchState.REVOKED
             op.done.set()
         else:
@@ -243,7 +276,7 @@ class Prefetcher:
         return True
 
     def _reserve_sides(self, op: PrefetchOp) -> None:
-        """Host slots (pinned) for each component's trailing pages; none at all if one is short."""
+        """Host slots for each component's trailing pages; none at all if one is short."""
         sides: list[SideFetch] = []
         for component in self.components:
             trailing = self._trailing[component.name]
@@ -253,8 +286,6 @@ class Prefetcher:
                     side.component.free_host(side.slots)
                 return
             sides.append(SideFetch(component, trailing, slots))
-        for side in sides:
-            side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
         op.sides = sides
 
     def complete(self, op: PrefetchOp) -> bool:
@@ -271,9 +302,10 @@ class Prefetcher:
         if op.done.is_set():
             keep_waiting = False
         elif policy is StopPolicy.BEST_EFFORT:
-            # Take what has arrived, but not before the first batch: stopping an op the thread
-            # has not reached yet would throw away every page the store holds for it.
-            keep_waiting = not op.first_batch.is_set()
+            # Take what has arrived, but not before the first batch (stopping an op the thread
+            # has not reached yet would throw away every page the store holds for it) unless
+            # that takes longer than the bound: then the op lands on its own (``finish``).
+            keep_waiting = not op.first_batch.is_set() and not self.waited_enough(op)
         elif policy is StopPolicy.WAIT_COMPLETE:
             keep_waiting = True
         else:
@@ -281,13 +313,40 @@ class Prefetcher:
             keep_waiting = started is None or time.monotonic() - started < self.config.timeout_for(op.pages * self.page_size)
         return not self.tp.scheduler.all_max(int(keep_waiting))
 
+    def waited_enough(self, op: PrefetchOp) -> bool:
+        """``best_effort``: whether ``op``'s request has waited its bound (this rank's clock;
+        ``ready`` agrees, and so must a caller deciding by it alone: see ``gives_up``)."""
+        if self.config.stop_policy is not StopPolicy.BEST_EFFORT:
+            return False
+        return time.monotonic() - op.planned_at >= self.config.best_effort_wait_s
+
+    def gives_up(self, op: PrefetchOp) -> bool:
+        """Whether the request of a still-planned (rate-limited) ``op`` stops waiting for it: a
+        ``best_effort`` request past its bound does (agreed by all ranks)."""
+        return bool(self.tp.scheduler.all_max(int(self.waited_enough(op))))
+
     def finish(self, op: PrefetchOp) -> int | None:
         """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,
-        or None when the prefix they hang from was evicted meanwhile (the pages are dropped)."""
+        or None when the prefix they hang from was evicted meanwhile (the pages are dropped).
+
+        A ``best_effort`` op whose read is under way on every rank with nothing read yet is not
+        stopped: it *lands* (``land``: its pages go into the tree when it ends) and this returns
+        0. One the read thread has not reached is stopped: it never calls the store, so a hung
+        call delays at most the op it belongs to."""
+        if self.config.stop_policy is StopPolicy.BEST_EFFORT and op.state is not PrefetchState.PLANNED:
+            # Every rank makes the same collectives here: the op's state past PLANNED is not agreed.
+            done = self.complete(op)
+            under_way = self.tp.scheduler.all_min(int(op.started_at is not None))
+            read = self.tp.scheduler.all_max(op.completed_pages)
+            if not done and under_way and read == 0:
+                self._landing.append(op)
+                self.metrics.add(prefetch_left_to_land=1)
+                return 0
         inserted: int | None = 0
         if op.state is not PrefetchState.PLANNED:
             assert self.host is not None and op.host_indices is not None
-            op.terminate.set()
+            with op.lock:  # a read not begun now never will: its slots are freed unpinned
+                op.terminate.set()
             if not op.done.is_set():
                 self.metrics.add(prefetch_terminated_early=1)
             completed = self.tp.scheduler.all_min(op.completed_pages)
@@ -306,9 +365,16 @@ class Prefetcher:
                 self.host.allocator.free(op.host_indices[used:])  # pages still being read wait for their pin
             if op.sides:
                 self._place_sides(op, completed if inserted is not None else 0)
-            self.pages_in_flight -= op.pages
+            self.pages_in_flight -= op.reserved_pages
         op.state = PrefetchState.FINISHED
         return inserted
+
+    def land(self) -> None:
+        """Put the pages of every landing op that has ended into the tree (agreed by all ranks)."""
+        for op in list(self._landing):
+            if self.complete(op):
+                self._landing.remove(op)
+                self.finish(op)
 
     def _place_sides(self, op: PrefetchOp, completed: int) -> None:
         """Give the components their state read for the op's cut, if every rank read all of it
@@ -353,74 +419,85 @@ class Prefetcher:
         chain = op.lead_hashes + op.hashes
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
         skip = op.terminate.is_set() or health.failed
-        try:
-            local_hit = (
-                0
-                if skip
-                else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
-            )
-            # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
-            op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
-            if hit * self.page_size >= self.config.threshold_tokens:
-                self._thread.put(op)
-                return True
-            op.state = PrefetchState.REVOKED
-            self.metrics.add(prefetch_revoked=1)
-            return False
-        except BaseException:
-            op.hit_pages = 0
-            raise
-        finally:
-            if op.hit_pages * self.page_size < self.config.threshold_tokens:  # not handed on: nothing reads the slots
-                self.host.allocator.unpin_io(op.host_indices)
-                for side in op.sides:
-                    side.component.host_allocator.unpin_io(side.slots)  # type: ignore[union-attr]
+        local_hit = (
+            0 if skip else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
+        )
+        # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
+        op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+        if hit * self.page_size >= self.config.threshold_tokens:
+            self._thread.put(op)
+            return True
+        op.state = PrefetchState.REVOKED
+        self.metrics.add(prefetch_revoked=1)
+        return False
 
     def _read(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
         """Read the op's ``hit_pages`` (and its components' pages before the cut) into its host slots."""
         assert self.scope is not None and self.host is not None and op.host_indices is not None
+        with op.lock:  # against ``finish`` freeing the slots: pinned first, or not read at all
+            if op.terminate.is_set():
+                return False
+            self.host.allocator.pin_io(op.host_indices)
+            for side in op.sides:
+                side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
         op.started_at = time.monotonic()
         backend = store.backend
         keys: list[PageKey] = self.scope.keys(op.hashes)
         lead = len(op.lead_hashes)
         chain = op.lead_hashes + op.hashes
         hit = op.hit_pages
-        pinned_from = 0
-        abandoned: list[StorageTimeoutError] = []  # a read that may still land in the pages
+        ps = self.page_size
+        allocator = self.host.allocator
+        pinned_from = 0  # the op's pins from this slot on are still to release
+        side_abandoned: list[StorageTimeoutError] = []  # a components' read that may still land
         try:
             started = time.perf_counter()
             for side in op.sides:
-                window = side.window(chain, lead, op.start // self.page_size, hit)
+                window = side.window(chain, lead, op.start // ps, hit)
                 buffers = side.component.fetch_buffers(side.read_slots)
                 got_side = guarded_call(
                     self.metrics,
                     lambda: backend.get_into(store.keys(side.component.name, window), buffers),
                     None,
                     "get",
-                    abandoned.append,
+                    side_abandoned.append,
                     health=health,
                 )
                 side.complete = got_side is not None and all(got_side)
-            segments = self.host.segments_for(op.host_indices[: hit * self.page_size])
-            step = self.batch_pages
-            for begin in range(0, hit, step):
-                if op.terminate.is_set():
-                    break
-                batch = slice(begin, min(begin + step, hit))
-                results = guarded_call(
-                    self.metrics,
-                    lambda: backend.get_into(keys[batch], segments[batch]),
-                    None,
-                    "get",
-                    abandoned.append,
-                    health=health,
-                )
+            segments = self.host.segments_for(op.host_indices[: hit * ps])
+            begin = 0
+            while begin < hit and not op.terminate.is_set():
+                want = min(self.batch_pages, hit - begin)
+                granted = self.pin_cap.acquire(want)
+                batch = slice(begin, begin + (granted or want))
+                abandoned = False
+                if granted:
+
+                    def abandon(call: StorageTimeoutError) -> None:
+                        nonlocal abandoned
+                        abandoned = True  # the call may still land in its pages: they wait for it
+                        allocator.unpin_io_when_settled(op.host_indices[batch.start * ps : batch.stop * ps], call)
+
+                    try:
+                        results = guarded_call(
+                            self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get", abandon, health=health
+                        )
+                    finally:
+                        self.pin_cap.release(granted)
+                else:  # pages pinned by abandoned calls are at their cap: read into private buffers
+                    self.metrics.add(storage_staged_calls=1)
+                    staging = [private_copy(page, fill=False) for page in segments[batch]]
+                    results = guarded_call(
+                        self.metrics, lambda: backend.get_into(keys[batch], staging), None, "get", lambda call: None, health=health
+                    )
+                    copy_back(segments[batch][: leading_successes(results)], staging)
                 got = leading_successes(results)
                 if results is not None:
                     # Every page here was reported present: a failed read means its stored copy is bad or gone.
                     self.suspects.add(op.hashes[begin + i] for i, ok in enumerate(results) if not ok)
-                slot_end = (begin + got) * self.page_size
-                self.host.allocator.unpin_io(op.host_indices[pinned_from:slot_end])
+                slot_end = batch.stop * ps if abandoned else (begin + got) * ps
+                if not abandoned:
+                    allocator.unpin_io(op.host_indices[pinned_from:slot_end])
                 pinned_from = slot_end
                 op.completed_pages += got
                 op.first_batch.set()
@@ -428,10 +505,11 @@ class Prefetcher:
                 if results is None or got < len(results):
                     self.metrics.add(prefetch_failed_batches=1)
                     break
+                begin = batch.stop
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
-            settling = abandoned[0] if abandoned else None
-            self.host.allocator.unpin_io_when_settled(op.host_indices[pinned_from:], settling)
+            allocator.unpin_io(op.host_indices[pinned_from:])
+            settling = side_abandoned[0] if side_abandoned else None
             for side in op.sides:
                 side.component.host_allocator.unpin_io_when_settled(side.slots, settling)  # type: ignore[union-attr]
         return False

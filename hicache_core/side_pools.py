@@ -23,7 +23,7 @@ of the FULL pool, so it moves with the FULL pages by construction.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -103,8 +103,8 @@ class PoolPages:
     slots: torch.Tensor
     allocator: PageAllocator
     rewrite_suspects: bool = False
-    #: A put that timed out but may still read the host slots (zero-copy timeout).
-    abandoned: StorageTimeoutError | None = None
+    #: Pages (indices into ``hashes``) a timed-out put may still read: pinned until it returns.
+    abandoned: set[int] = field(default_factory=set)
 
     @property
     def page_bytes(self) -> int:
@@ -118,9 +118,31 @@ class PoolPages:
     def pin(self) -> None:
         self.allocator.pin_io(self.slots)
 
+    def page_slots(self, pages: list[int]) -> torch.Tensor:
+        """The host slots of ``pages`` (indices into ``hashes``)."""
+        size = self.allocator.page_size
+        return self.slots.view(-1, size)[torch.tensor(pages, dtype=torch.long)].reshape(-1)
+
+    def abandon(self, pages: list[int], call: StorageTimeoutError) -> None:
+        """A put of ``pages`` timed out but may still read them: they stay pinned until ``call``
+        returns; the op's other pages are released as usual by ``unpin``. (A component whose
+        pages are not one allocator page each keeps all of them.)"""
+        if self.slots.numel() != len(self.hashes) * self.allocator.page_size:
+            pages = [i for i in range(len(self.hashes)) if i not in self.abandoned]
+            if pages:
+                self.allocator.unpin_io_when_settled(self.slots, call)
+        else:
+            self.allocator.unpin_io_when_settled(self.page_slots(pages), call)
+        self.abandoned.update(pages)
+
     def unpin(self) -> None:
-        """Release the pin; slots a timed-out put may still read stay pinned until it returns."""
-        self.allocator.unpin_io_when_settled(self.slots, self.abandoned)
+        """Release the pin of every page no abandoned put still reads."""
+        if not self.abandoned:
+            self.allocator.unpin_io(self.slots)
+            return
+        rest = [i for i in range(len(self.hashes)) if i not in self.abandoned]
+        if rest:
+            self.allocator.unpin_io(self.page_slots(rest))
 
 
 def unsaved_state(node: TreeNode, components: Sequence[TieredComponent]) -> bool:

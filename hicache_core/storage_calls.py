@@ -1,5 +1,6 @@
-"""How the core calls storage from its threads: never raising, reading only leading successes, and
-giving a store up, saying so once, when it fails in a way retrying cannot fix."""
+"""How the core calls storage from its threads: never raising, reading only leading successes,
+not calling a store its breaker holds open, and giving a store up, saying so once, when it fails
+in a way retrying cannot fix."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from hicache_storage.errors import StorageError, StorageTimeoutError
+from hicache_storage.health import CircuitBreaker
 
 from hicache_core.metrics import CacheMetrics
 
@@ -27,17 +29,31 @@ class StorageHealth:
     compute what storage would have served. The first such error is logged once, as an error
     naming the store, what failed and how to get it back, and counted in ``storage_disabled``;
     every one in ``storage_permanent_errors``. A new attachment starts healthy. Thread-safe.
+
+    Timeouts and temporary errors go to ``breaker`` (:class:`~hicache_storage.health.CircuitBreaker`)
+    when there is one: while it is open no data call is made (``storage_skipped_calls``).
     """
 
-    def __init__(self, metrics: CacheMetrics, store: str) -> None:
+    def __init__(self, metrics: CacheMetrics, store: str, breaker: CircuitBreaker | None = None) -> None:
         self.metrics = metrics
         self.store = store
+        self.breaker = breaker
         self._lock = threading.Lock()
         self._failure: StorageError | None = None
 
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+    def allows_call(self) -> bool:
+        """Whether a data call may be made now: the store is not given up and its breaker is closed
+        (asking an open breaker may start its probe). Counts a refusal in ``storage_skipped_calls``."""
+        if self.failed:
+            return False
+        if self.breaker is None or self.breaker.allows_call():
+            return True
+        self.metrics.add(storage_skipped_calls=1)
+        return False
 
     @property
     def failure(self) -> StorageError | None:
@@ -81,15 +97,17 @@ def guarded_call(
     The backup and prefetch threads go through this, so no backend failure can end them. A
     timeout whose call may still use the caller's buffers (a zero-copy timeout: ``settled`` is
     set) is handed to ``on_abandoned``, which must keep those buffers untouched until it settles.
-    With ``health``, a store already given up is not called (``default`` at once), and a
-    permanent or persistent error gives it up (:meth:`StorageHealth.give_up`) instead of a
-    warning per call; temporary errors, and exceptions that are no ``StorageError``, are warned
-    about and the store stays in use.
+    With ``health``, a store already given up or whose breaker is open is not called (``default``
+    at once); a permanent or persistent error gives it up (:meth:`StorageHealth.give_up`) instead
+    of a warning per call; timeouts and temporary errors are warned about and recorded by the
+    breaker (the store stays in use until it opens), an answer resets the breaker's count.
+    Exceptions that are no ``StorageError`` (a connector bug) are warned about and nothing more.
     """
-    if health is not None and health.failed:
+    if health is not None and not health.allows_call():
         return default
+    breaker = health.breaker if health is not None else None
     try:
-        return call()
+        result = call()
     except StorageTimeoutError as exc:
         log.warning("storage %s timed out: %s", operation, exc)
         metrics.add(storage_timeouts=1)
@@ -99,15 +117,23 @@ def guarded_call(
             on_abandoned(exc)
         if health is not None and exc.permanent:  # a timeout the retry layer gave up on
             health.give_up(exc, operation)
+        elif breaker is not None:
+            breaker.record_failure(operation, exc)
     except StorageError as exc:
         metrics.add(storage_errors=1)
         if health is not None and exc.permanent:
             health.give_up(exc, operation)
         else:
             log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
+            if breaker is not None:
+                breaker.record_failure(operation, exc)
     except Exception as exc:
         log.warning("storage %s failed: %s: %s", operation, type(exc).__name__, exc)
         metrics.add(storage_errors=1)
+    else:
+        if breaker is not None:
+            breaker.record_success(operation)
+        return result
     return default
 
 

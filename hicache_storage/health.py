@@ -58,7 +58,7 @@ class BreakerConfig:
     #: Wait before the first probe after the breaker opens.
     probe_backoff_s: float = 0.5
     #: The longest wait between probes.
-    probe_backoff_max_s: float = 30.0
+    probe_backoff_max_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.failures_to_open < 1:

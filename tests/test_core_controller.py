@@ -3,8 +3,10 @@ in-flight I/O, layer-wise loads, runtime attach/detach, and engines on a failing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 import uuid
 
 import pytest
@@ -19,6 +21,7 @@ from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree
 from hicache_core.storage_calls import StorageHealth, guarded_call
 from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.health import BreakerConfig
 from hicache_storage.errors import (
     AuthenticationError,
     BackendContractError,
@@ -31,6 +34,8 @@ from hicache_storage.errors import (
 from hicache_storage.keys import KeyScope, Namespace, page_hashes
 from hicache_storage.wrappers.faults import FaultInjectionWrapper
 
+#: A guard against a hang, never a timing assertion: polls of 10 ms before a wait gives up.
+HANG_GUARD_POLLS = 3000
 GEOMETRY = KVGeometry(layers=2, kv_heads=1, head_dim=4)
 SCOPE = KeyScope(Namespace("controller-test", "float32", 1, "page_first"))
 
@@ -224,7 +229,8 @@ def test_the_default_storage_stack_is_zero_copy_and_bounds_a_hung_read_by_its_pa
     host = HostPool(GEOMETRY, 2, "page_first", num_pages=8)
     tree = RadixTree(2, device.allocator.free, host.allocator.free)
     prefetch = PrefetchConfig(threshold_tokens=2, stop_policy=StopPolicy.WAIT_COMPLETE)
-    controller = CacheController(ControllerConfig(storage_timeout_s=0.2, prefetch=prefetch), tree, device, host)
+    config = ControllerConfig(storage_timeout_s=0.2, prefetch=prefetch, abandoned_pages_fraction=0.5)  # room for the 4-page read
+    controller = CacheController(config, tree, device, host)
     backend = RecordingBackend()
     tokens = list(range(8))
     backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [b"\x07" * (GEOMETRY.token_bytes * 2)] * 4)
@@ -469,30 +475,45 @@ def test_a_contract_violation_stops_the_calls_once_said_and_counted(expected, ca
         engine.close()
 
 
-def test_temporary_errors_keep_the_store_in_use_and_hits_resume(expected):
+def test_temporary_errors_open_the_breaker_probes_keep_calling_and_hits_resume(expected):
+    """Temporary errors never give the store up: they open its breaker (no data calls, counted),
+    probes keep asking the store, and once it answers L3 hits come back in the same process."""
     store = MemoryBackend({"store": f"flaky-{uuid.uuid4().hex}"})
     faults = FaultInjectionWrapper(
         store, {"enabled": False, **{op: {"error_rate": 1.0, "errors": ["unavailable"]} for op in ("exists", "get", "put")}}
     )
-    engine = Engine(engine_config(CacheTiers.L1_L2_L3), storage=faults)
+    config = engine_config(CacheTiers.L1_L2_L3)
+    config.controller = dataclasses.replace(config.controller, breaker=BreakerConfig(probe_backoff_s=0.01, probe_backoff_max_s=0.02))
+    engine = Engine(config, storage=faults)
     try:
         faults.resume()
         check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
         engine.flush_cache()
-        raised = faults.stats()["faults_error"]
-        assert raised > 0
-        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
-        engine.flush_cache()
-        assert faults.stats()["faults_error"] > raised, "a store failing temporarily must still be called"
-        faults.pause()  # the store is back
-        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
-        engine.flush_cache()
-        results = engine.serve(_first_round())
-        check_same(expected[:1], [results])
-        assert sum(r.cached_storage for r in results) > 0, "hits resume once the store recovers"
         counters = engine.metrics.snapshot()
+        assert counters["storage_breaker_opened"] == 1 and counters["storage_skipped_calls"] > 0
+        raised = faults.stats()["faults_error"]
+        time.sleep(0.05)  # past the probe backoff: the next call asked for starts a probe
+        check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
+        for _ in range(HANG_GUARD_POLLS):  # the probe runs on its own thread
+            if faults.stats()["faults_error"] > raised:
+                break
+            time.sleep(0.01)
+        assert faults.stats()["faults_error"] > raised, "a store failing temporarily must still be probed"
+        faults.pause()  # the store is back
+        hits = 0
+        for _ in range(20):
+            engine.flush_cache()
+            results = engine.serve(_first_round())
+            check_same(expected[:1], [results])
+            hits = sum(r.cached_storage for r in results)
+            if hits:
+                break
+            time.sleep(0.02)  # the next probe is due after its backoff
+        assert hits > 0, "hits resume once the store recovers"
+        counters = engine.metrics.snapshot()
+        assert counters["storage_breaker_closed"] >= 1
         assert counters["storage_disabled"] == 0 and counters["storage_permanent_errors"] == 0
-        assert counters["storage_errors"] >= raised
+        assert counters["storage_errors"] >= BreakerConfig().failures_to_open
     finally:
         engine.close()
 
