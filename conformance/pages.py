@@ -25,8 +25,10 @@ MAGIC = b"HCpg"
 #: Larger bodies repeat a random block of this many bytes: a prime, so a page whose chunks of
 #: any power-of-two size are swapped, dropped or shifted never matches.
 _BODY_PERIOD = 65521
-#: Pages up to this size are cached (the concurrent clauses read the same pages many times).
+#: Pages up to this size are cached (the concurrent clauses read the same pages many times);
+#: the few most recent of up to ``_CACHED_LARGE_PAGE_BYTES`` too (their MiB pages, checked on every read).
 _CACHED_PAGE_BYTES = 1 << 20
+_CACHED_LARGE_PAGE_BYTES = 4 << 20
 
 
 def random_hash(rng: random.Random, digits: int = 64) -> str:
@@ -43,6 +45,8 @@ def page_for(key: PageKey, size: int, version: int = 0) -> bytes:
     digest = key_digest(key)
     if size <= _CACHED_PAGE_BYTES:
         return _cached_page(digest, version, size)
+    if size <= _CACHED_LARGE_PAGE_BYTES:
+        return _cached_large_page(digest, version, size)
     return _make_page(digest, version, size)
 
 
@@ -56,6 +60,11 @@ def _make_page(digest: bytes, version: int, size: int) -> bytes:
 
 @functools.lru_cache(maxsize=512)
 def _cached_page(digest: bytes, version: int, size: int) -> bytes:
+    return _make_page(digest, version, size)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_large_page(digest: bytes, version: int, size: int) -> bytes:
     return _make_page(digest, version, size)
 
 
