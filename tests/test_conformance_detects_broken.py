@@ -98,7 +98,9 @@ def quick_runs(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def full_runs(tmp_path_factory) -> dict[str, dict]:
-    """Races among them: one run at a time, each with the machine to itself, as the clauses expect."""
+    """Races among them, one run at a time. Their clauses do not count on a quiet machine: each
+    runs until it has observed a stated number of overlapping calls (conformance/clauses_concurrency.py),
+    and scripts/mutation_study.py measures the detection rate with every core busy."""
     return run_suites({name: [name, "-x"] for name in FULL}, tmp_path_factory.mktemp("full"))
 
 
