@@ -148,6 +148,19 @@ def transfer_kv_all_layer_mla_lf_pf(*, src_layers, dst, src_indices, dst_indices
         _copy(_rows(dst[:, layer]), dst_indices, _layer_rows(src, src_indices, item_size), src_indices)
 
 
+# --- Mamba state: one buffer per state kind, rows are request slots -------------------------------
+
+
+def transfer_kv_mamba_lf_pf(*, src_ptrs, dst, src_indices, dst_indices, item_size, num_layers, **_):
+    """Device state layers (address table) into a page-first host state ``[slots, layers, ...]``."""
+    transfer_kv_all_layer_mla_lf_pf(
+        src_layers=src_ptrs, dst=dst, src_indices=src_indices, dst_indices=dst_indices, item_size=item_size, num_layers=num_layers
+    )
+
+
+transfer_kv_mamba_pf_lf = transfer_kv_per_layer_mla_pf_lf
+
+
 OPS = {
     name: obj
     for name, obj in dict(globals()).items()
@@ -159,6 +172,7 @@ POOL_MODULES = (
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
     "sglang.srt.mem_cache.pool_host.dsa",
+    "sglang.srt.mem_cache.pool_host.mamba",
     "sglang.srt.mem_cache.memory_pool_host",
 )
 

@@ -39,22 +39,26 @@ def prepare_cpu() -> None:
     if _PREPARED:
         return
     import sglang.srt.mem_cache.pool_host.base as host_base
+    import sglang.srt.mem_cache.pool_host.mamba as host_mamba
     import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures
 
     import cpu_ops
 
     kit_fixtures.get_device = lambda *args, **kwargs: "cpu"
-    host_init = host_base.HostKVCache.__init__
-
-    def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["pin_memory"] = False
-        host_init(self, *args, **kwargs)
-
-    host_base.HostKVCache.__init__ = unpinned_init
+    for pool_class in (host_base.HostKVCache, host_mamba.MambaPoolHost):
+        pool_class.__init__ = _unpinned(pool_class.__init__)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
     cpu_ops.install()
     _PREPARED = True
+
+
+def _unpinned(init: Any) -> Any:
+    def unpinned_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        init(self, *args, **kwargs)
+
+    return unpinned_init
 
 
 @dataclass
@@ -120,6 +124,9 @@ class Engine:
             head_dim=8,
             kv_size=512,
             max_context_len=512,
+            # SGLang's Mamba component needs its extra buffer for pages of more than one token.
+            enable_mamba_extra_buffer="MAMBA" in deployment.components,
+            mamba_cache_size=60,
         )
         with ExitStack() as build:
             if deployment.mla:
@@ -187,20 +194,52 @@ class Engine:
     def snapshot(self, indices: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[indices].clone() for buffer in self._device_buffers()]
 
+    def side_state(self, leaf: Any) -> list[tuple[torch.Tensor, tuple[Any, ...]]]:
+        """Where a hybrid stack keeps the state a restore of ``leaf``'s path needs besides the
+        full-attention KV: (buffer, index) pairs for the SWA rows of the last window, or the Mamba
+        state slot of the leaf."""
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.test.kits.unified_radix_cache.fixtures import node_device_value
+
+        places: list[tuple[torch.Tensor, tuple[Any, ...]]] = []
+        if self.cfg.has_swa:
+            full = self.cache.path_device_indices(leaf)[-self.cfg.sliding_window_size :]
+            rows = self.allocator.full_to_swa_index_mapping[full].long()
+            swa = self.allocator.get_kvcache().swa_kv_pool
+            places += [(buffer, (rows,)) for buffer in list(swa.k_buffer) + list(swa.v_buffer)]
+        if self.cfg.has_mamba:
+            slot = node_device_value(self.cache, leaf, ComponentType.MAMBA).long()
+            state = self.req_to_token_pool.mamba_pool.mamba_cache
+            places += [(buffer, (slice(None), slot)) for buffer in [*state.conv, state.temporal]]
+        return places
+
+    def fill_side_state(self, leaf: Any, seed: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        written = []
+        for buffer, index in self.side_state(leaf):
+            rows = buffer[index]
+            data = torch.randint(0, 256, rows.view(torch.uint8).shape, dtype=torch.uint8, generator=generator)
+            buffer[index] = data.view(buffer.dtype).view(rows.shape)
+            written.append(buffer[index].clone())
+        return written
+
+    def leaf(self, tokens: list[int]) -> Any:
+        from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
+
+        return match_prefix(self.cache, tokens).last_device_node
+
     # --- what the scheduler does ----------------------------------------------------------------
 
     def insert(self, tokens: list[int]) -> Any:
         """Put ``tokens`` in the tree on the device (as a finished prefill does); returns the leaf."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
+        from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 
-        value = self.allocator.alloc(len(tokens))
-        params = InsertParams(key=RadixKey(array("q", tokens)), value=value[: len(tokens)])
-        if self.cfg.has_mamba:
-            req = self.req_to_token_pool.alloc_one() if hasattr(self.req_to_token_pool, "alloc_one") else None
-            params.mamba_value = req
-        self.cache.insert(params)
+        # The kit's insert step: slots from the allocator (both SWA allocators on an SWA stack),
+        # and a request's Mamba state slot on a Mamba stack.
+        steps = UnifiedRadixCacheFixtures()
+        steps.cfg = self.cfg
+        steps._insert(self.cache, self.allocator, self.req_to_token_pool, tokens)
         return match_prefix(self.cache, tokens).last_device_node
 
     def path(self, node: Any) -> list[Any]:

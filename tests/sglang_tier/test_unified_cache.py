@@ -33,12 +33,19 @@ def round_trip(engines: Any, deployment: Deployment, pages: int = 6) -> None:
     producer = engines(deployment)
     leaf = producer.insert(tokens)
     written = producer.fill(producer.cache.path_device_indices(leaf), seed=pages)
+    side_written = producer.fill_side_state(leaf, seed=pages + 1)
     producer.back_up(leaf)
 
     consumer = engines(deployment)
     restored, rows = consumer.restore(tokens)
     assert restored == len(tokens)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(rows, written)), "restored KV differs"
+    assert same_bytes(rows, written), "restored full-attention KV differs"
+    side = [buffer[index] for buffer, index in consumer.side_state(consumer.leaf(tokens))]
+    assert len(side) == len(side_written) and same_bytes(side, side_written), "restored SWA / Mamba state differs"
+
+
+def same_bytes(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+    return len(got) == len(expected) and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, expected))
 
 
 def empty_store_restores_nothing(engines: Any, deployment: Deployment) -> None:
@@ -73,3 +80,10 @@ def test_round_trips_exact_on_redis(engines: Any, redis_server: Any, request: py
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_round_trips_exact_on_mooncake(engines: Any, mooncake_master: Any, mla: bool) -> None:
     round_trip(engines, Deployment("mooncake", {**mooncake_master.client_config(), "key_prefix": f"tier-{mla}/"}, mla=mla))
+
+
+@pytest.mark.parametrize("components", [("FULL", "SWA"), ("FULL", "MAMBA")], ids=["swa", "mamba"])
+def test_hybrid_round_trips_exact_on_file(engines: Any, tmp_path: Path, components: tuple[str, ...]) -> None:
+    deployment = Deployment("file", {"root": str(tmp_path / "l3")}, components=components)
+    empty_store_restores_nothing(engines, deployment)
+    round_trip(engines, deployment)
