@@ -31,14 +31,15 @@ This module imports SGLang; nothing else in ``hicache_storage`` does.
 
 from __future__ import annotations
 
+import collections
 import enum
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 import torch
@@ -62,11 +63,14 @@ from hicache_storage.errors import (
     StorageError,
     UnsupportedOperationError,
 )
+from hicache_storage.health import BreakerConfig, BreakerState, CircuitBreaker
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.spec import StoreSpec, open_store, store_spec
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Keys SGLang's own loader reads from the extra config, or removes from it before the backend
 #: is built (SGLang 0.5.23: ``parse_storage_backend_extra_config``, ``_generate_storage_config``).
@@ -107,6 +111,10 @@ class AdapterConfig(BackendConfig):
     tenant: str | None = pydantic.Field(None, description="cache salt: deployments with different tenants never share pages")
     model_revision: str | None = pydantic.Field(None, description="model weights revision (commit or tag); part of every key")
     model: str | None = pydantic.Field(None, description="model identity for keys; defaults to SGLang's model name")
+    breaker: dict[str, float] = pydantic.Field(
+        default_factory=dict,
+        description="store health: failures_to_open, probe_backoff_s, probe_backoff_max_s (hicache_storage.health.BreakerConfig)",
+    )
 
     @classmethod
     def from_extra_config(cls, extra_config: dict[str, Any] | None) -> AdapterConfig:
@@ -217,6 +225,19 @@ class HiCacheStorageAdapter(HiCacheStorage):
         self._lock = threading.Lock()
         self._metrics_enabled = bool(storage_config.enable_storage_metrics)
         self._metrics_lock = threading.Lock()
+        #: The store's health (see :mod:`hicache_storage.health`): consecutive timeouts or temporary
+        #: errors stop data calls until a probe answers.
+        try:
+            breaker_config = BreakerConfig(**self.config.breaker)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"bad 'breaker' in the extra config ({exc}); its keys are failures_to_open, probe_backoff_s, probe_backoff_max_s",
+                field="breaker",
+                backend="sglang-adapter",
+            ) from exc
+        self.breaker = CircuitBreaker(self.config.connector, self._probe, breaker_config, on_transition=self._count_transition)
+        #: Breaker transitions and the data calls skipped while it was open, by operation.
+        self.health_counts: collections.Counter[str] = collections.Counter()
         self._metrics: dict[str, list[float]] = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -344,25 +365,21 @@ class HiCacheStorageAdapter(HiCacheStorage):
             return []
         if binding.io is PageIO.LOGICAL:
             return [True] * len(keys)
-        hashes = [page_hash_of(key) for key in keys]
+        page_keys = binding.keys([page_hash_of(key) for key in keys])
+        if binding.io is PageIO.FLAT:
+            targets = [binding.pool.get_dummy_flat_data_page() for _ in keys]
+            nbytes = sum(_nbytes(page) for page in targets)
+        else:
+            targets, nbytes = _page_segments(binding, len(keys), host_indices)
         start = time.perf_counter()
-        try:
-            if binding.io is PageIO.FLAT:
-                pages = [binding.pool.get_dummy_flat_data_page() for _ in keys]
-                hits = self.backend.get_into(binding.keys(hashes), pages)
-                for i, hit in enumerate(hits):
-                    if not hit:
-                        break
-                    binding.pool.set_from_flat_data_page(int(host_indices[i * binding.pool.page_size]), pages[i])
-                nbytes = sum(_nbytes(page) for page in pages)
-            else:
-                targets, nbytes = _page_segments(binding, len(keys), host_indices)
-                hits = self.backend.get_into(binding.keys(hashes), targets)
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: read of %d pages of pool %s failed, treated as misses: %s", len(keys), binding.name, exc)
+        hits = self._guarded("get", f"read of {len(keys)} pages of pool {binding.name}", None, lambda: self.backend.get_into(page_keys, targets))
+        if hits is None:
             return [False] * len(keys)
+        if binding.io is PageIO.FLAT:
+            for i, hit in enumerate(hits):
+                if not hit:
+                    break
+                binding.pool.set_from_flat_data_page(int(host_indices[i * binding.pool.page_size]), targets[i])
         self._record("prefetch", len(keys), nbytes, time.perf_counter() - start)
         return _per_page(hits, binding.head_groups)
 
@@ -372,24 +389,21 @@ class HiCacheStorageAdapter(HiCacheStorage):
         if binding.io is PageIO.LOGICAL or not binding.writes:
             return [True] * len(keys)
         page_keys = binding.keys([page_hash_of(key) for key in keys])
+        what = f"write of {len(keys)} pages of pool {binding.name}"
         start = time.perf_counter()
-        try:
-            # Keys are content hashes of the prefix: a value already stored holds these bytes.
-            stored = self.backend.exists(page_keys)
-            todo = [i for i, hit in enumerate(stored) if not hit]
-            if todo:
-                sources = _page_sources(binding, len(keys), host_indices, {i // binding.head_groups for i in todo})
-                written = self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo])
-                for i, ok in zip(todo, written):
-                    stored[i] = ok
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: write of %d pages of pool %s failed: %s", len(keys), binding.name, exc)
+        # Keys are content hashes of the prefix: a value already stored holds these bytes.
+        stored = self._guarded("exists", what, None, lambda: self.backend.exists(page_keys))
+        if stored is None:
             return [False] * len(keys)
+        todo = [i for i, hit in enumerate(stored) if not hit]
         if todo:
-            nbytes = sum(_nbytes(sources[i]) for i in todo)
-            self._record("backup", len(todo), nbytes, time.perf_counter() - start)
+            sources = _page_sources(binding, len(keys), host_indices, {i // binding.head_groups for i in todo})
+            written = self._guarded("put", what, None, lambda: self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo]))
+            if written is None:
+                return [False] * len(keys)
+            for i, ok in zip(todo, written):
+                stored[i] = ok
+            self._record("backup", len(todo), sum(_nbytes(sources[i]) for i in todo), time.perf_counter() - start)
         return _per_page(stored, binding.head_groups)
 
     # --- lookups ------------------------------------------------------------------------------
@@ -403,13 +417,8 @@ class HiCacheStorageAdapter(HiCacheStorage):
         binding = self._binding(PoolName.KV.value)
         if binding.io is PageIO.LOGICAL:
             return 0
-        try:
-            return self._prefix(binding, [page_hash_of(key) for key in keys])
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: exists query failed, reporting no hit: %s", exc)
-            return 0
+        hashes = [page_hash_of(key) for key in keys]
+        return self._guarded("exists", f"exists query of {len(keys)} pages", 0, lambda: self._prefix(binding, hashes))
 
     def _prefix(self, binding: PoolBinding, hashes: list[str]) -> int:
         if binding.head_groups == 1:
@@ -431,13 +440,10 @@ class HiCacheStorageAdapter(HiCacheStorage):
         binding = self._binding(PoolName.KV.value)
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        page_keys, targets = binding.keys([page_hash_of(key) for key in keys]), list(target_locations)
         start = time.perf_counter()
-        try:
-            hits = self.backend.get_into(binding.keys([page_hash_of(key) for key in keys]), list(target_locations))
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: read of %d pages failed, treated as misses: %s", len(keys), exc)
+        hits = self._guarded("get", f"read of {len(keys)} pages", None, lambda: self.backend.get_into(page_keys, targets))
+        if hits is None:
             return [None] * len(keys)
         self._record("prefetch", len(keys), sum(_nbytes(t) for t in target_locations), time.perf_counter() - start)
         return [target if hit else None for target, hit in zip(target_locations, hits)]
@@ -459,17 +465,13 @@ class HiCacheStorageAdapter(HiCacheStorage):
             return True
         if values is None:
             raise InvalidArgumentError("batch_set() needs one page tensor per key")
-        values = list(values)
+        values, page_keys = list(values), binding.keys([page_hash_of(key) for key in keys])
         start = time.perf_counter()
-        try:
-            ok = all(self.backend.put_from(binding.keys([page_hash_of(key) for key in keys]), values))
-        except StorageError as exc:
-            if exc.status is ErrorStatus.PERMANENT:
-                raise
-            logger.warning("hicache_storage: write of %d pages failed: %s", len(keys), exc)
+        written = self._guarded("put", f"write of {len(keys)} pages", None, lambda: self.backend.put_from(page_keys, values))
+        if written is None:
             return False
         self._record("backup", len(keys), sum(_nbytes(v) for v in values), time.perf_counter() - start)
-        return ok
+        return all(written)
 
     # --- pool transfers (v2: KV plus side pools such as mamba, swa, indexer) ------------------
 
@@ -487,8 +489,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         every cut all pools accept, since a trailing pool may accept cut 5 but not 4. A pool's own
         hit is reported when the lookup knows it (see :class:`~hicache_storage.multipool.PoolCuts`)
         and is not 0. A logical KV anchor (DeepSeek V4) does not vote: its side pools decide. A
-        failed query of a pool counts as that pool holding nothing, unless its error is permanent
-        (then it raises).
+        failed query answers nothing restorable, unless its error is permanent (then it raises).
         """
         hashes = [page_hash_of(key) for key in keys]
         kv = self._binding(PoolName.KV.value)
@@ -508,7 +509,10 @@ class HiCacheStorageAdapter(HiCacheStorage):
             # Nothing holds every page of the prefix (a logical anchor and trailing pools only):
             # nothing proves the head of the prefix is restorable.
             return PoolTransferResult(0, {}, [])
-        found = MultiPoolStore(self.backend, pools[0].scope or kv.scopes[0], pools).lookup(hashes, degrade=True)
+        store = MultiPoolStore(self.backend, pools[0].scope or kv.scopes[0], pools)
+        found = self._guarded("exists", f"exists query of {len(keys)} pages", None, lambda: store.lookup(hashes))
+        if found is None:
+            return PoolTransferResult(0, {}, [])
         hits = {name: pages for name, pages in found.pool_hits.items() if pages and not name.startswith("kv_heads")}
         return PoolTransferResult(found.longest, hits, list(found.cuts))
 
@@ -521,6 +525,36 @@ class HiCacheStorageAdapter(HiCacheStorage):
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         return {str(t.name): self._pool_set(self._binding(t.name), t.keys or [], t.host_indices) for t in transfers}
+
+    # --- store health -------------------------------------------------------------------------
+
+    def _guarded(self, operation: str, what: str, unhealthy: T, call: Callable[[], T]) -> T:
+        """``call()``, through the store's breaker: while it is open, ``unhealthy`` at once (a
+        lookup finds nothing, a read misses, a write is skipped: SGLang recomputes); a timeout or
+        temporary error is logged, counted by the breaker and answered with ``unhealthy``; a
+        permanent one raises (SGLang's I/O threads log it)."""
+        if not self.breaker.allows_call():
+            with self._metrics_lock:
+                self.health_counts[f"skipped_{operation}"] += 1
+            return unhealthy
+        try:
+            result = call()
+        except StorageError as exc:
+            if exc.status is ErrorStatus.PERMANENT:
+                raise
+            self.breaker.record_failure(operation, exc)
+            logger.warning("hicache_storage: %s failed, answered as if nothing were stored: %s", what, exc)
+            return unhealthy
+        self.breaker.record_success(operation)
+        return result
+
+    def _probe(self) -> None:
+        """One cheap call that answers when the store does: an exists of one key."""
+        self.backend.exists([self.scope.key("0" * 64)])
+
+    def _count_transition(self, old: BreakerState, new: BreakerState) -> None:
+        with self._metrics_lock:
+            self.health_counts["breaker_opened" if new is BreakerState.OPEN else "breaker_closed"] += 1
 
     # --- housekeeping -------------------------------------------------------------------------
 
@@ -542,6 +576,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         return StorageMetrics(**snapshot)
 
     def close(self) -> None:
+        self.breaker.close()
         self.backend.close()
 
     def _record(self, direction: str, pages: int, nbytes: int, seconds: float) -> None:

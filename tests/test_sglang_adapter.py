@@ -19,6 +19,7 @@ from __future__ import annotations
 import __future__
 import ast
 import importlib
+import itertools
 import importlib.util
 import json
 import logging
@@ -49,7 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from hicache_storage.errors import ConfigError, InvalidArgumentError, StorageError
+from hicache_storage.errors import BackendUnavailableError, ConfigError, InvalidArgumentError, StorageError
 from hicache_storage.keys import page_hashes
 from hicache_storage.sglang import HiCacheStorageAdapter, page_hash_of
 
@@ -634,6 +635,43 @@ def test_a_failing_store_degrades_to_misses(tmp_path: Path) -> None:
     assert adapter.exists(keys[0]) is False
     assert adapter.batch_set(keys, [pool.get_data_page(0)] * 2) is False
     assert adapter.batch_get(keys, [pool.get_dummy_flat_data_page()] * 2) == [None, None]
+
+
+def test_a_store_that_keeps_failing_is_not_called_until_a_probe_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consecutive temporary failures open the adapter's breaker: SGLang's lookups then answer
+    "nothing stored" without calling the store; once the store answers a probe, calls resume."""
+    pool = make_host_pool()
+    breaker = {"failures_to_open": 3, "probe_backoff_s": 0.01, "probe_backoff_max_s": 0.01}
+    adapter = StorageBackendFactory.create_backend("dynamic", storage_config(Rank(extra={"breaker": breaker}), "memory", {}), pool)
+    adapter.register_mem_pool_host(pool)
+    adapter.breaker._run_probe = lambda probe: probe()  # probe on the caller's thread: no race in the test
+    keys = chain(2, salt="breaker")
+    assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1])) == [True, True]
+    store_exists, calls, down = adapter.backend.exists, [], [True]
+
+    def exists(page_keys: Any) -> list[bool]:  # the fault: a store that stopped answering
+        calls.append(len(page_keys))
+        if down[0]:
+            raise BackendUnavailableError("injected: store down", backend="memory")
+        return store_exists(page_keys)
+
+    monkeypatch.setattr(adapter.backend, "exists", exists)
+    monkeypatch.setattr(adapter.backend, "prefix_exists", lambda page_keys: sum(1 for _ in itertools.takewhile(bool, exists(page_keys))))
+    assert [adapter.batch_exists(keys) for _ in range(3)] == [0, 0, 0]
+    assert len(calls) == 3 and adapter.health_counts["breaker_opened"] == 1
+    assert adapter.batch_exists(keys) == 0 and len(calls) == 3, "an open breaker must not call the store"
+    assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1])) == [False, False] and len(calls) == 3
+    assert adapter.health_counts["skipped_exists"] == 2
+    down[0] = False
+    time.sleep(0.05)  # past the probe backoff
+    answers = [adapter.batch_exists(keys) for _ in range(2)]
+    assert answers[-1] == 2 and adapter.health_counts["breaker_closed"] == 1
+
+
+def test_a_bad_breaker_config_is_a_config_error() -> None:
+    config = storage_config(Rank(extra={"breaker": {"failures_to_open": 0}}), "memory", {})
+    with pytest.raises(ConfigError, match="breaker.*failures_to_open"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
 
 
 @pytest.mark.parametrize(("kind", "degrades"), [("capacity", True), ("authentication", False), ("contract", False)])
