@@ -75,6 +75,8 @@ class Deployment:
     tp_rank: int = 0
     tp_size: int = 1
     model: str = "tier/model"
+    #: an EAGLE-style draft model's KV (MHA, one layer) as a sidecar that follows the target's KV slots
+    draft: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -111,7 +113,9 @@ class Engine:
         self._exit = ExitStack()
         self._exit.enter_context(
             get_parallel().override(
-                tp_rank=deployment.tp_rank, tp_size=deployment.tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+                tp_rank=deployment.tp_rank, tp_size=deployment.tp_size, attn_tp_rank=deployment.tp_rank,
+                attn_tp_size=deployment.tp_size, moe_tp_rank=deployment.tp_rank, moe_tp_size=deployment.tp_size,
+                pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0,
             )
         )
         self.cfg = CacheConfig(
@@ -155,9 +159,26 @@ class Engine:
         kit.drop_hicache_atexit_pin(self.cache)
         self.cache.write_through_threshold = 1 << 30
         self.cache.load_back_threshold = 0
+        self.draft_pool = self._attach_draft() if deployment.draft else None
         controller = self.cache.cache_controller
         # The kit sizes host and device pools equally, which leaves no prefetch capacity.
         controller.prefetch_capacity_limit = max(controller.prefetch_capacity_limit, controller.mem_pool_host.size)
+
+    def _attach_draft(self) -> Any:
+        """An MHA draft KV pool registered the way SGLang's speculative worker does
+        (``build_hicache_draft_sidecars`` then ``register_sidecar_pool``)."""
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_hicache_draft_sidecars
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        target = self.allocator.get_kvcache()
+        draft = MHATokenToKVPool(
+            size=target.size, page_size=self.cfg.page_size, dtype=self.cfg.dtype, head_num=2, head_dim=8,
+            layer_num=1, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        specs, entries = build_hicache_draft_sidecars(draft_device_pools=(draft,), tree_cache=self.cache)
+        for spec, entry in zip(specs, entries):
+            self.cache.register_sidecar_pool(spec, entry)
+        return draft
 
     @property
     def adapter(self) -> Any:
@@ -176,9 +197,10 @@ class Engine:
     def _device_buffers(self) -> list[torch.Tensor]:
         pool = self.allocator.get_kvcache()
         pool = getattr(pool, "full_kv_pool", pool)
-        if hasattr(pool, "k_buffer"):
-            return list(pool.k_buffer) + list(pool.v_buffer)
-        return list(pool.kv_buffer)
+        buffers = list(pool.k_buffer) + list(pool.v_buffer) if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
+        if self.draft_pool is not None:
+            buffers += list(self.draft_pool.k_buffer) + list(self.draft_pool.v_buffer)
+        return buffers
 
     def fill(self, indices: torch.Tensor, seed: int) -> list[torch.Tensor]:
         """Random bytes in every full-attention layer's rows ``indices``; returns what was written."""

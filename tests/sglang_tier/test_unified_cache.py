@@ -24,7 +24,7 @@ def engines():
         return engine
 
     yield open_engine
-    for engine in opened:
+    for engine in reversed(opened):  # each holds an override of SGLang's parallel context: innermost first
         engine.close()
 
 
@@ -87,3 +87,44 @@ def test_hybrid_round_trips_exact_on_file(engines: Any, tmp_path: Path, componen
     deployment = Deployment("file", {"root": str(tmp_path / "l3")}, components=components)
     empty_store_restores_nothing(engines, deployment)
     round_trip(engines, deployment)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_two_tp_ranks_restore_their_own_shard(engines: Any, tmp_path: Path, mla: bool) -> None:
+    """TP2: each rank's engine backs up and restores through SGLang's tree. MHA ranks hold
+    different heads: each restores its own bytes, never the other rank's. MLA KV is the same on
+    every rank: SGLang backs it up from rank 0 only, and rank 1 restores rank 0's copy."""
+    tokens = list(range(1, 1 + 6 * 4))
+    config = {"root": str(tmp_path / "l3")}
+    written = {}
+    for rank in (0, 1):
+        producer = engines(Deployment("file", config, mla=mla, tp_rank=rank, tp_size=2))
+        leaf = producer.insert(tokens)
+        written[rank] = producer.fill(producer.cache.path_device_indices(leaf), seed=10 + rank)
+        producer.back_up(leaf)
+    assert not same_bytes(written[0], written[1])
+    for rank in (0, 1):
+        restored, rows = engines(Deployment("file", config, mla=mla, tp_rank=rank, tp_size=2)).restore(tokens)
+        assert restored == len(tokens)
+        assert same_bytes(rows, written[0 if mla else rank]), f"rank {rank} restored the wrong shard"
+
+
+def test_eagle_draft_on_an_mla_target_round_trips_per_rank(engines: Any, tmp_path: Path) -> None:
+    """TP2, MLA target with an MHA draft sidecar (EAGLE3 on Kimi-K2 / DeepSeek): the target KV is
+    written once (rank 0) and shared, each rank's draft heads are its own, and rank 1's draft
+    reaches storage although SGLang backs up nothing else on MLA ranks other than 0."""
+    tokens = list(range(1, 1 + 6 * 4))
+    config = {"root": str(tmp_path / "l3")}
+    written, draft_rows = {}, {}
+    for rank in (0, 1):
+        producer = engines(Deployment("file", config, mla=True, draft=True, tp_rank=rank, tp_size=2))
+        leaf = producer.insert(tokens)
+        written[rank] = producer.fill(producer.cache.path_device_indices(leaf), seed=20 + rank)
+        draft_rows[rank] = written[rank][-2:]  # the draft layer's K and V come last
+        producer.back_up(leaf)
+    assert not same_bytes(draft_rows[0], draft_rows[1])
+    for rank in (0, 1):
+        restored, rows = engines(Deployment("file", config, mla=True, draft=True, tp_rank=rank, tp_size=2)).restore(tokens)
+        assert restored == len(tokens)
+        assert same_bytes(rows[:-2], written[0][:-2]), f"rank {rank}: the MLA target KV is rank 0's"
+        assert same_bytes(rows[-2:], draft_rows[rank]), f"rank {rank} restored another rank's draft heads"
