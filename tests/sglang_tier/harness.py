@@ -77,6 +77,8 @@ class Deployment:
     model: str = "tier/model"
     #: an EAGLE-style draft model's KV (MHA, one layer) as a sidecar that follows the target's KV slots
     draft: bool = False
+    #: MTP draft layers (MLA, one layer each) packed into the target's KV host pages
+    mtp_layers: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -143,6 +145,15 @@ class Engine:
 
                 build.enter_context(mock.patch.object(kit, "MHATokenToKVPool", mla_pool))
             self.cache, self.allocator, self.req_to_token_pool = kit.build_fixture(self.cfg)
+        self.mtp_pools = tuple(
+            MLATokenToKVPool(
+                size=self.allocator.get_kvcache().size, page_size=deployment.page_size, dtype=self.cfg.dtype,
+                kv_lora_rank=12, qk_rope_head_dim=4, layer_num=1, device="cpu", enable_memory_saver=False,
+            )  # fmt: skip
+            for _ in range(deployment.mtp_layers)
+        )
+        # What SGLang's KV cache builder hands the tree for MTP draft layers (CacheInitParams).
+        self.cache.cache_init_params.mtp_draft_device_pools = self.mtp_pools
         server_args = ServerArgs(
             model_path="dummy",
             page_size=deployment.page_size,
@@ -200,6 +211,8 @@ class Engine:
         buffers = list(pool.k_buffer) + list(pool.v_buffer) if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
         if self.draft_pool is not None:
             buffers += list(self.draft_pool.k_buffer) + list(self.draft_pool.v_buffer)
+        for mtp in self.mtp_pools:
+            buffers += list(mtp.kv_buffer)
         return buffers
 
     def fill(self, indices: torch.Tensor, seed: int) -> list[torch.Tensor]:

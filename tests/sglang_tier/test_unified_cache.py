@@ -128,3 +128,23 @@ def test_eagle_draft_on_an_mla_target_round_trips_per_rank(engines: Any, tmp_pat
         assert restored == len(tokens)
         assert same_bytes(rows[:-2], written[0][:-2]), f"rank {rank}: the MLA target KV is rank 0's"
         assert same_bytes(rows[-2:], draft_rows[rank]), f"rank {rank} restored another rank's draft heads"
+
+
+def test_mtp_and_no_mtp_deployments_of_one_model_each_restore_their_own(engines: Any, tmp_path: Path) -> None:
+    """MTP draft layers are packed into the MLA target's KV host pages. A deployment with them and
+    one without, under one model name and one store: neither takes the other's pages as its own,
+    and each fills L3 and restores its own pages exactly."""
+    tokens = list(range(1, 1 + 6 * 4))
+    config = {"root": str(tmp_path / "l3")}
+    plain, mtp = Deployment("file", config, mla=True), Deployment("file", config, mla=True, mtp_layers=1)
+    written = {}
+    for name, deployment in (("plain", plain), ("mtp", mtp)):
+        producer = engines(deployment)
+        leaf = producer.insert(tokens)
+        written[name] = producer.fill(producer.cache.path_device_indices(leaf), seed=len(written))
+        if name == "plain":
+            assert engines(mtp).restore(tokens)[0] == 0, "the MTP deployment read pages without its draft layer"
+        producer.back_up(leaf)
+    for name, deployment in (("plain", plain), ("mtp", mtp)):
+        restored, rows = engines(deployment).restore(tokens)
+        assert restored == len(tokens) and same_bytes(rows, written[name]), f"{name} did not restore its own pages"
