@@ -39,13 +39,15 @@ def prepare_cpu() -> None:
     if _PREPARED:
         return
     import sglang.srt.mem_cache.pool_host.base as host_base
+    import sglang.srt.mem_cache.pool_host.dsa as host_dsa
     import sglang.srt.mem_cache.pool_host.mamba as host_mamba
     import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures
 
     import cpu_ops
 
     kit_fixtures.get_device = lambda *args, **kwargs: "cpu"
-    for pool_class in (host_base.HostKVCache, host_mamba.MambaPoolHost):
+    # Every host pool class that takes pin_memory itself rather than from HostKVCache.
+    for pool_class in (host_base.HostKVCache, host_mamba.MambaPoolHost, host_dsa.DSAIndexerPoolHost):
         pool_class.__init__ = _unpinned(pool_class.__init__)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = lambda self: None
@@ -69,6 +71,8 @@ class Deployment:
     connector_config: dict[str, Any]
     layout: str = "page_first"
     mla: bool = False
+    #: MLA with a DSA/NSA indexer (DeepSeek V3.2): SGLang adds an indexer host pool as a KV sidecar
+    dsa: bool = False
     components: tuple[str, ...] = ("FULL",)
     page_size: int = 4
     layers: int = 4
@@ -104,7 +108,7 @@ class Engine:
 
     def __init__(self, deployment: Deployment) -> None:
         prepare_cpu()
-        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.runtime_context import get_parallel
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -135,9 +139,15 @@ class Engine:
             mamba_cache_size=60,
         )
         with ExitStack() as build:
-            if deployment.mla:
+            if deployment.mla or deployment.dsa:
 
                 def mla_pool(*, size, page_size, dtype, head_num, head_dim, layer_num, device, enable_memory_saver):
+                    if deployment.dsa:
+                        return DSATokenToKVPool(
+                            size=size, page_size=page_size, kv_lora_rank=12, dtype=dtype, qk_rope_head_dim=4,
+                            layer_num=layer_num, device=device, index_head_dim=128,
+                            enable_memory_saver=enable_memory_saver, kv_cache_dim=16,
+                        )  # fmt: skip
                     return MLATokenToKVPool(
                         size=size, page_size=page_size, dtype=dtype, kv_lora_rank=12, qk_rope_head_dim=4,
                         layer_num=layer_num, device=device, enable_memory_saver=enable_memory_saver,
@@ -205,7 +215,9 @@ class Engine:
 
     # --- the device KV --------------------------------------------------------------------------
 
-    def _device_buffers(self) -> list[torch.Tensor]:
+    def _device_places(self, indices: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every device buffer a restore of token slots ``indices`` writes, with the rows it
+        writes: full-attention KV (and a draft's, and MTP layers') by token, a DSA indexer by page."""
         pool = self.allocator.get_kvcache()
         pool = getattr(pool, "full_kv_pool", pool)
         buffers = list(pool.k_buffer) + list(pool.v_buffer) if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
@@ -213,21 +225,24 @@ class Engine:
             buffers += list(self.draft_pool.k_buffer) + list(self.draft_pool.v_buffer)
         for mtp in self.mtp_pools:
             buffers += list(mtp.kv_buffer)
-        return buffers
+        places = [(buffer, indices) for buffer in buffers]
+        pages = indices[:: self.cfg.page_size] // self.cfg.page_size
+        places += [(buffer, pages) for buffer in getattr(pool, "index_k_with_scale_buffer", None) or []]
+        return places
 
     def fill(self, indices: torch.Tensor, seed: int) -> list[torch.Tensor]:
-        """Random bytes in every full-attention layer's rows ``indices``; returns what was written."""
+        """Random bytes in every row a restore of ``indices`` writes; returns what was written."""
         generator = torch.Generator().manual_seed(seed)
         written = []
-        for buffer in self._device_buffers():
-            rows = buffer[indices]
+        for buffer, rows_at in self._device_places(indices):
+            rows = buffer[rows_at]
             data = torch.randint(0, 256, rows.view(torch.uint8).shape, dtype=torch.uint8, generator=generator)
-            buffer[indices] = data.view(buffer.dtype).view(rows.shape)
-            written.append(buffer[indices].clone())
+            buffer[rows_at] = data.view(buffer.dtype).view(rows.shape)
+            written.append(buffer[rows_at].clone())
         return written
 
     def snapshot(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        return [buffer[indices].clone() for buffer in self._device_buffers()]
+        return [buffer[rows_at].clone() for buffer, rows_at in self._device_places(indices)]
 
     def side_state(self, leaf: Any) -> list[tuple[torch.Tensor, tuple[Any, ...]]]:
         """Where a hybrid stack keeps the state a restore of ``leaf``'s path needs besides the

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 from harness import Deployment, Engine
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
+from hicache_storage.sglang import PageIO
 
 
 @pytest.fixture
@@ -39,7 +42,7 @@ def round_trip(engines: Any, deployment: Deployment, pages: int = 6) -> None:
     consumer = engines(deployment)
     restored, rows = consumer.restore(tokens)
     assert restored == len(tokens)
-    assert same_bytes(rows, written), "restored full-attention KV differs"
+    assert same_bytes(rows, written), "restored device KV (full attention, draft, MTP layers, DSA indexer) differs"
     side = [buffer[index] for buffer, index in consumer.side_state(consumer.leaf(tokens))]
     assert len(side) == len(side_written) and same_bytes(side, side_written), "restored SWA / Mamba state differs"
 
@@ -148,3 +151,14 @@ def test_mtp_and_no_mtp_deployments_of_one_model_each_restore_their_own(engines:
     for name, deployment in (("plain", plain), ("mtp", mtp)):
         restored, rows = engines(deployment).restore(tokens)
         assert restored == len(tokens) and same_bytes(rows, written[name]), f"{name} did not restore its own pages"
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_dsa_indexer_round_trips_exact_on_file(engines: Any, tmp_path: Path, layout: str) -> None:
+    """DeepSeek V3.2: MLA KV plus SGLang's DSA indexer pool as a KV sidecar. On layer_first the
+    indexer pool cannot describe a page as runs; its pages move as flat copies."""
+    deployment = Deployment("file", {"root": str(tmp_path / "l3")}, layout=layout, dsa=True, page_size=64)  # DSA's page
+    empty_store_restores_nothing(engines, deployment)
+    round_trip(engines, deployment, pages=3)
+    indexer = engines(deployment).adapter.bindings[PoolName.INDEXER.value]
+    assert indexer.io is (PageIO.FLAT if layout == "layer_first" else PageIO.SEGMENTS)
