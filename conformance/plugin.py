@@ -3,10 +3,15 @@
 Adds the options that pick the backend for ``pytest --pyargs hicache_storage.conformance``, and
 writes the report when ``--hicache-report`` is given. The options are checked once, before any
 clause runs: a bad config, wrapper spec or unusable store is one usage error, not the same error
-from every clause.
+from every clause. A clause that fails on an exception that is neither an assertion nor a
+``StorageError`` (a connector's bare ``ValueError``, ``KeyError``...) is marked so, and the report
+names the failure an untyped error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -46,3 +51,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
         config.pluginmanager.register(ReportCollector(config, stem), "hicache-conformance-report")
 
+
+
+#: The ``user_properties`` entry of a clause that failed on an untyped error: (name, exception class).
+UNTYPED_ERROR = "untyped_error"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    # pytest's own outcomes (fail, skip) are BaseExceptions, not Exceptions
+    if isinstance(error, Exception) and not isinstance(error, (AssertionError, StorageError)):
+        from hicache_storage.conformance.suite import ConformanceTests
+
+        if isinstance(getattr(item, "instance", None), ConformanceTests):
+            outcome.get_result().user_properties.append((UNTYPED_ERROR, type(error).__name__))

@@ -2,7 +2,9 @@
 
 A skip whose reason starts with ``unsupported:`` is a capability the backend does not declare
 (the suite checked that the operation is refused properly); any other skip is listed with its
-reason. A run in which no clause executed is reported as a failure, never as a pass.
+reason. A clause that failed on an exception that is neither an assertion nor a ``StorageError``
+says so first: ``untyped error: the store raised KeyError, not a StorageError: ...``. A run in
+which no clause executed is reported as a failure, never as a pass.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hicache_storage.conformance.plugin import UNTYPED_ERROR
 
 OUTCOMES = ("passed", "failed", "error", "unsupported", "skipped")
 
@@ -95,6 +99,9 @@ class ReportCollector:
                 outcome = "failed" if report.when == "call" else "error"
                 message = getattr(report.longrepr, "reprcrash", None)
                 detail = message.message if message is not None else str(report.longrepr)[-300:]
+                untyped = dict(report.user_properties).get(UNTYPED_ERROR)
+                if untyped:
+                    detail = f"untyped error: the store raised {untyped}, not a StorageError: {detail}"
                 self.results[clause] = ClauseResult(clause, outcome, detail, report.duration)
             elif clause not in self.results:
                 self.results[clause] = ClauseResult(clause, "passed", "", report.duration)

@@ -49,6 +49,7 @@ from hicache_storage.errors import (
     BackendClosedError,
     InvalidArgumentError,
     InvalidKeyError,
+    StorageError,
     UnsupportedOperationError,
     ValueTooLargeError,
 )
@@ -177,10 +178,12 @@ class CoreClauses:
         assert store.get([a, b, a], 1024) == [value_a, None, value_a]
 
     def test_empty_batches(self, store: StorageBackend) -> None:
+        assert store.put_from([], []) == []
         assert store.exists([]) == []
         assert store.get_into([], []) == []
-        assert store.put_from([], []) == []
         assert store.prefix_exists([]) == 0
+        if store.capabilities.delete:
+            assert store.delete([]) == []
 
     def test_result_count_equals_request_count(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
         """300 pages: more than any sensible max_batch, so the SDK's batch splitting is exercised too."""
@@ -352,6 +355,43 @@ class CoreClauses:
     def test_rejects_read_only_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
         with pytest.raises(InvalidArgumentError):
             store.get_into([scope.key(random_hash(rng))], [b"read-only bytes"])
+
+    # --- the error contract -------------------------------------------------------------------
+
+    def test_only_storage_errors_escape(self, open_backend: Callable[..., StorageBackend], scope: KeyScope, rng: random.Random) -> None:
+        """Every failure is a ``StorageError`` with a status (:mod:`hicache_storage.errors`), never a
+        bare Python exception. Calls at the edges, on a store that saw nothing before them (a
+        connector may size itself from its first put), either return or raise one; a ``ValueError``
+        or ``ZeroDivisionError`` from a connector fails this clause by name."""
+        store = open_backend()
+        first, second, absent = (scope.key(random_hash(rng)) for _ in range(3))
+        page = self.page_size_bytes
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("an empty put as the store's first call", lambda: store.put_from([], [])),
+            ("an empty exists", lambda: store.exists([])),
+            ("an empty get", lambda: store.get_into([], [])),
+            ("an empty prefix_exists", lambda: store.prefix_exists([])),
+            ("an empty delete", lambda: store.delete([])),
+            ("a zero-byte page as the first page put", lambda: store.put([first], [b""])),
+            ("a zero-byte read of it", lambda: store.get_into([first], [bytearray(0)])),
+            ("an exists of it", lambda: store.exists([first])),
+            ("keys and pages given as one-shot iterators", lambda: store.put_from(iter([second]), iter([bytes(page)]))),
+            ("a read into one-shot iterators", lambda: store.get_into(iter([second]), iter([bytearray(page)]))),
+            ("a miss read into an empty target", lambda: store.get_into([absent], [bytearray(0)])),
+            ("a miss read into a page", lambda: store.get_into([absent], [bytearray(page)])),
+        ]
+        untyped = []
+        for what, call in calls:
+            try:
+                call()
+            except StorageError:
+                pass  # a typed refusal (unsupported, too large, ...) keeps the contract
+            except Exception as exc:
+                untyped.append(f"{what}: {type(exc).__name__}: {exc}")
+        assert not untyped, (
+            "untyped errors escaped the connector, not StorageErrors (raise a class of hicache_storage.errors, "
+            "which carries a status): " + "; ".join(untyped)
+        )
 
     def test_closed_backend_refuses_calls(self, open_backend: Callable[..., StorageBackend], scope: KeyScope, rng: random.Random) -> None:
         store = open_backend()

@@ -490,6 +490,33 @@ class RaisesOnMiss(MemoryBackend):
         return results
 
 
+@mutant("errors")
+class SlotsFromFirstPut(MemoryBackend):
+    """Sizes its slots from the first put's largest page, as a slot-file store does: a first page of zero bytes divides by zero (a bare ZeroDivisionError, not a StorageError)."""
+
+    SPACE = 64 * MiB
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self._slots: int | None = None
+
+    def _put_from(self, keys, sources):
+        if self._slots is None:
+            self._slots = self.SPACE // max(segments_size(source) for source in sources)
+        return super()._put_from(keys, sources)
+
+
+@mutant("errors")
+class KeyErrorOnMiss(MemoryBackend):
+    """get looks each page up with [] and lets the KeyError of a missing one escape (a bare exception, not a StorageError)."""
+
+    def _get_into(self, keys, targets):
+        results = super()._get_into(keys, targets)
+        if not all(results):
+            raise KeyError(keys[results.index(False)].render("/"))
+        return results
+
+
 @mutant("ordering")
 class WriteBehind(MemoryBackend):
     """put queues the write to a background thread and reports it stored at once."""

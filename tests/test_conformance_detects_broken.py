@@ -35,6 +35,8 @@ NAMED = [
     ("CapacityEvictsHead", ["test_capacity_is_kept_and_a_prefix_keeps_its_head"]),
     ("ExistsKeyByKey", ["test_native_batch_exists_is_one_call_per_batch"]),
     ("StagedZeroCopyRead", ["test_zero_copy_read_fills_the_target_itself"]),
+    ("SlotsFromFirstPut", ["test_only_storage_errors_escape"]),
+    ("KeyErrorOnMiss", ["test_only_storage_errors_escape", "test_misses_are_per_key"]),
 ]
 
 
@@ -146,3 +148,15 @@ def test_a_run_that_executes_nothing_fails(tmp_path):
     report = json.loads((tmp_path / "memory.json").read_text())
     assert report["ok"] is False and report["counts"]["passed"] == 0
     assert "NO CLAUSE EXECUTED" in (tmp_path / "memory.md").read_text()
+
+
+def test_the_report_names_an_untyped_error_as_such(named_runs):
+    """A clause failed by a bare exception says so in the report; one failed by an assertion does not."""
+    details = {r["clause"]: r["detail"] for r in named_runs["KeyErrorOnMiss"]["report"]["results"]}
+    assert details["test_misses_are_per_key"].startswith("untyped error: the store raised KeyError, not a StorageError: KeyError")
+    assert "untyped errors escaped the connector, not StorageErrors" in details["test_only_storage_errors_escape"]
+    assert "a miss read into a page: KeyError" in details["test_only_storage_errors_escape"]
+    first_put = {r["clause"]: r["detail"] for r in named_runs["SlotsFromFirstPut"]["report"]["results"]}
+    assert "a zero-byte page as the first page put: ZeroDivisionError" in first_put["test_only_storage_errors_escape"]
+    lying = {r["clause"]: r["detail"] for r in named_runs["LyingExists"]["report"]["results"]}
+    assert not lying["test_misses_are_per_key"].startswith("untyped error")
