@@ -55,3 +55,15 @@ def mooncake_master() -> Iterator[object]:
     master.start()
     yield master
     master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master_plain() -> Iterator[object]:
+    """A master without a storage node: each client brings its own segment (SGLang 0.5.23's
+    default deployment, and what a Mooncake config that sets only the master reaches)."""
+    from hicache_storage.testing.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(storage_node=False)
+    master.start()
+    yield master
+    master.stop()

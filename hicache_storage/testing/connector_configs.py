@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 #: Servers a configuration can need, by the name used in :attr:`ConnectorConfig.servers` (the
-#: pytest fixtures in tests/conftest.py have the same names, except ``mooncake_master_plain``).
+#: pytest fixtures in tests/conftest.py have the same names).
 SERVERS = ("redis_server", "redis_cluster", "seaweedfs", "mooncake_master", "mooncake_master_plain")
 
 Servers = Mapping[str, Any]
@@ -33,6 +33,9 @@ class ConnectorConfig:
     backend: str
     make: Callable[[Servers, Path, str], dict[str, Any]]
     servers: tuple[str, ...] = ()
+    #: Config keys that only match the test server where it differs from a default one (Mooncake's
+    #: lease TTL); README's minimal configs, written for servers at their defaults, leave them out.
+    server_settings: tuple[str, ...] = ()
 
     def config(self, servers: Servers, scratch: Path, fresh: str) -> dict[str, Any]:
         """The connector config, with ``fresh`` in every name the store shares with other runs."""
@@ -84,7 +87,8 @@ CONFIGS: dict[str, ConnectorConfig] = {
             lambda s, d, f: {**s["mooncake_master"].client_config(), "key_prefix": f"{f}/"},
             ("mooncake_master",),
         ),
-        # The deployment without storage nodes: each client brings its own segment (SGLang's default).
+        # The deployment without storage nodes: each client brings its own segment (SGLang 0.5.23's
+        # default: MOONCAKE_GLOBAL_SEGMENT_SIZE is 4gb in srt/environ.py).
         ConnectorConfig(
             "mooncake-per-client-segment",
             "mooncake",
@@ -108,3 +112,40 @@ CONFIGS: dict[str, ConnectorConfig] = {
 REPORTED = tuple(CONFIGS)
 #: Configurations the cross-connector matrix tests run on: one per connector and server kind.
 MATRIX = ("memory", "file", "redis", "redis-cluster", "s3", "mooncake", "hf3fs", "fsspec-memory", "fsspec-s3")
+
+#: Each built-in connector with the least config it takes, as README.md shows it ("The least each
+#: connector needs"): its required fields and where its server is, every other field at its
+#: default. It is the config a new user copies first, so the suite runs every connector with it
+#: too (tests/test_conformance_minimal_configs.py), not only with the tuned ones above.
+MINIMAL: dict[str, ConnectorConfig] = {
+    c.backend: c
+    for c in (
+        ConnectorConfig("memory-minimal", "memory", lambda s, d, f: {}),
+        ConnectorConfig("file-minimal", "file", lambda s, d, f: {"root": str(d / f"file-{f}")}),
+        ConnectorConfig("redis-minimal", "redis", lambda s, d, f: {"url": s["redis_server"].url}, ("redis_server",)),
+        ConnectorConfig(
+            "s3-minimal",
+            "s3",
+            lambda s, d, f: {
+                "bucket": s["seaweedfs"].bucket,
+                "endpoint_url": s["seaweedfs"].endpoint_url,
+                "access_key_id": s["seaweedfs"].access_key,
+                "secret_access_key": s["seaweedfs"].secret_key,
+            },
+            ("seaweedfs",),
+        ),
+        ConnectorConfig(
+            "mooncake-minimal",
+            "mooncake",
+            lambda s, d, f: {
+                "master_server_address": s["mooncake_master_plain"].master_server_addr,
+                # the test master's 300 ms lease: at the default 10 s, each clause's clear waits 10 s
+                "lease_ttl_s": s["mooncake_master_plain"].lease_ttl_ms / 1000,
+            },
+            ("mooncake_master_plain",),
+            server_settings=("lease_ttl_s",),
+        ),
+        ConnectorConfig("hf3fs-minimal", "hf3fs", lambda s, d, f: {"root": str(d / f"hf3fs-{f}")}),
+        ConnectorConfig("fsspec-minimal", "fsspec", lambda s, d, f: {"url": f"memory://{f}"}),
+    )
+}
