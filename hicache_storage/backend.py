@@ -102,7 +102,8 @@ class StorageBackend(ABC):
         """Make later I/O on ``view`` faster (RDMA or pinned registration). Default: nothing to do."""
 
     def _close(self) -> None:
-        """Release connections, threads and files. Called once."""
+        """Release connections, threads and files. Called once, never while a hook of this level runs
+        (the timeout layer defers it past the calls it abandoned)."""
 
     # --- the layer interface: what the level above calls --------------------------------------
 

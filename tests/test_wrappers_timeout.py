@@ -7,12 +7,14 @@ how long anything takes: a hung call stays hung until the test releases it.
 import itertools
 import logging
 import threading
+import time
 
 import pytest
 
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
     AuthenticationError,
+    BackendClosedError,
     BackendUnavailableError,
     RetryableError,
     StorageTimeoutError,
@@ -323,19 +325,86 @@ def test_reads_fill_every_segment_of_a_hit_and_leave_misses_alone():
     store.close()
 
 
-def test_close_does_not_wait_for_a_hung_call_and_workers_exit():
+def test_close_does_not_wait_for_a_hung_call_and_workers_exit(caplog):
     store, faults = hanging("get", workers=2)
     store.put(keys(1), [b"c" * 8])
     with pytest.raises(StorageTimeoutError):
         store.get(keys(1), 8)
     assert store.in_flight == 1
     threads = our_threads(store)
-    store.close()  # closing the fault wrapper below releases its hang
-    assert faults.closed
+    with caplog.at_level(logging.WARNING):
+        store.close()  # returns although the call still hangs
+    assert "closed when the last returns" in caplog.text
+    assert not faults.closed, "the level below was closed under a call still running in it"
+    with pytest.raises(BackendClosedError):
+        store.exists(keys(1))
+    faults.release_hangs()
     assert store.wait_idle(30)
+    deadline = time.monotonic() + 30
+    while not faults.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert faults.closed, "the inner close left to the last call never ran"
     for thread in threads:
         thread.join(30)
         assert not thread.is_alive()
+
+
+class BlockingExists(MemoryBackend):
+    """exists() blocks until ``release`` is set; records how many calls ran when it was closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.lock = threading.Condition()
+        self.running = 0
+        self.running_at_close: list[int] = []
+
+    def _exists(self, keys):
+        with self.lock:
+            self.running += 1
+            self.lock.notify_all()
+        self.release.wait(60)
+        with self.lock:
+            self.running -= 1
+        return super()._exists(keys)
+
+    def _close(self):
+        with self.lock:
+            self.running_at_close.append(self.running)
+
+
+@pytest.mark.parametrize("returns", ["within_the_close_wait", "after_close_returned"])
+def test_the_level_below_is_never_closed_under_a_running_call(returns):
+    """A client library may free what a running call still uses (Mooncake's segfaults), so the
+    level below is closed only once no call runs in it: at once when they return within the
+    wait, else by the call that returns last."""
+    inner = BlockingExists()
+    store = TimeoutWrapper(inner, {"seconds": 5.0 if returns == "within_the_close_wait" else SHORT, "workers": 2})
+    callers = [threading.Thread(target=_raised, args=(store.exists, keys(1))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    with inner.lock:
+        assert inner.lock.wait_for(lambda: inner.running == 2, 30)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    if returns == "within_the_close_wait":
+        deadline = time.monotonic() + 30
+        while not store._closing and time.monotonic() < deadline:
+            time.sleep(0.001)
+        inner.release.set()
+        closer.join(30)
+        assert inner.closed, "close() returned before closing the level below"
+    else:
+        closer.join(30)
+        assert not inner.closed, "the level below was closed under a call still running in it"
+        inner.release.set()
+        assert store.wait_idle(30)
+        deadline = time.monotonic() + 30
+        while not inner.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for caller in callers:
+        caller.join(30)
+    assert inner.running_at_close == [0]
 
 
 def test_close_returns_when_the_inner_close_hangs(caplog):

@@ -96,7 +96,7 @@ from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.errors import StorageTimeoutError
+from hicache_storage.errors import BackendClosedError, StorageTimeoutError
 from hicache_storage.keys import Namespace, PageKey
 from hicache_storage.wrappers.base import BackendWrapper
 
@@ -239,7 +239,8 @@ class TimeoutWrapper(BackendWrapper):
         self._overdue: list[_Job] = []  # timed-out jobs still running that kept their slot (bound reached)
         self._threads = 0  # worker threads started and not yet leaving
         self._in_flight = 0  # jobs queued or running
-        self._closing = False
+        self._closing = False  # close() began: no new calls
+        self._close_when_idle = False  # close() left the inner close to the last call to return
         self._thread_numbers = itertools.count()
         self._staging = _StagingPool(self.config.staging_cache_bytes)
 
@@ -296,18 +297,32 @@ class TimeoutWrapper(BackendWrapper):
             self._call("register_buffer", lambda: super(TimeoutWrapper, self)._register_buffer(view))
 
     def _close(self) -> None:
-        """Close the inner backend within ``seconds``, then let idle workers exit.
+        """Close the inner backend once no call runs in it, then let idle workers exit.
 
-        If the inner close does not finish in time it is left running on its worker (logged);
-        workers stuck in hung calls exit when those calls return.
+        The inner backend is never closed under a running call: a client library may free what a
+        call still uses (Mooncake's does: a segmentation fault). New calls are refused from here
+        on; calls still running get ``seconds`` to return. If some do not (a hung store), the
+        close is left to the worker whose call returns last (logged). An inner close that does
+        not finish in ``seconds`` is left running on its worker (logged); workers stuck in hung
+        calls exit when those calls return.
         """
+        with self._lock:
+            self._closing = True  # no new call from here on (``_call`` refuses them)
+            idle = self._lock.wait_for(lambda: self._in_flight == 0, self.config.seconds)
+            self._close_when_idle = not idle
+            running = self._in_flight
         try:
-            self._call("close", self.inner.close)
+            if idle:
+                self._call("close", self.inner.close, closing=True)
+            else:
+                log.warning(
+                    "%s: %d calls still running after %gs; the inner backend is closed when the last returns",
+                    self.name, running, self.config.seconds,
+                )
         except StorageTimeoutError as exc:
             log.warning("closing %s did not finish in time; leaving it to a worker thread: %s", self.inner.name, exc)
         finally:
             with self._lock:
-                self._closing = True
                 threads = self._threads
             for _ in range(threads):
                 self._queue.put(None)
@@ -334,35 +349,37 @@ class TimeoutWrapper(BackendWrapper):
         seconds: float | None = None,
         staging: _Staging | None = None,
         lends_buffers: bool = False,
+        closing: bool = False,
     ) -> T:
         """Run ``fn`` on a worker and wait for it at most ``seconds`` in all.
 
         ``staging`` goes with the job: the job's reference is released when ``fn`` returns (or
         when the job is dropped or never made); the caller releases its own after using the
         results. ``lends_buffers``: ``fn`` uses the caller's buffers, so a timeout after it
-        started carries ``settled``.
+        started carries ``settled``. ``closing``: ``fn`` is the inner close, the one call
+        admitted once closing began.
         """
         seconds = self.config.seconds if seconds is None else seconds
         deadline = time.monotonic() + seconds
         try:
-            self._take_slot(operation, seconds)
+            self._take_slot(operation, seconds, closing)
         except StorageTimeoutError:
             if staging is not None:
                 staging.release()  # the job that would have held it never existed
             raise
         job = _Job(fn, staging)
         with self._lock:
-            self._in_flight += 1
             missing = self._threads_missing()
         self._start_threads(missing)
         self._queue.put(job)
         job.settled.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:
             phase = job.phase
+            close_now = False
             if phase is _Phase.QUEUED:
                 job.phase = _Phase.DROPPED
                 self._live -= 1
-                self._in_flight -= 1
+                close_now = self._one_less_in_flight()
                 self._lock.notify_all()
             elif phase is _Phase.RUNNING:
                 job.timed_out = True
@@ -370,6 +387,8 @@ class TimeoutWrapper(BackendWrapper):
                     self._abandon(job)
                 else:
                     self._overdue.append(job)
+        if close_now:
+            self._close_inner_late()
         if phase is _Phase.DONE:
             if job.error is not None:
                 error, job.error = job.error, None  # drop the job's reference: no traceback cycle
@@ -388,13 +407,22 @@ class TimeoutWrapper(BackendWrapper):
             settled=job.settled if lends_buffers and phase is _Phase.RUNNING else None,
         )
 
-    def _take_slot(self, operation: str, seconds: float) -> None:
-        """Take a worker slot, waiting at most ``seconds``, or none at all while the store appears hung."""
+    def _take_slot(self, operation: str, seconds: float, closing: bool = False) -> None:
+        """Take a worker slot, waiting at most ``seconds``, or none at all while the store appears hung.
+
+        The slot counts the call as in flight at once, so :meth:`_close` never misses it.
+        """
         workers = self.config.workers
         with self._lock:
-            self._lock.wait_for(lambda: self._live < workers or bool(self._overdue), seconds)
+            def refused() -> bool:
+                return self._closing and not closing
+
+            self._lock.wait_for(lambda: refused() or self._live < workers or bool(self._overdue), seconds)
+            if refused():
+                raise BackendClosedError("backend is closed", backend=self.name, operation=operation)
             if self._live < workers:
                 self._live += 1
+                self._in_flight += 1
                 return
             abandoned, overdue = self._abandoned, len(self._overdue)
         self._count(timeout_busy=1, timeouts=1)
@@ -461,7 +489,7 @@ class TimeoutWrapper(BackendWrapper):
         leave = False
         with self._lock:
             job.phase = _Phase.DONE
-            self._in_flight -= 1
+            close_now = self._one_less_in_flight()
             if job.holds_slot:
                 self._live -= 1
                 if job.timed_out:
@@ -481,4 +509,23 @@ class TimeoutWrapper(BackendWrapper):
             self._count(timeout_late_completions=1)
             job.result = job.error = None
         job.settled.set()
+        if close_now:
+            self._close_inner_late()
         return leave
+
+    def _one_less_in_flight(self) -> bool:
+        """Count a call out (lock held); ``True`` if it was the last and the inner close waits for it."""
+        self._in_flight -= 1
+        if self._close_when_idle and self._in_flight == 0:
+            self._close_when_idle = False
+            return True
+        return False
+
+    def _close_inner_late(self) -> None:
+        """The inner close :meth:`_close` left to the call that returned last (this thread's)."""
+        try:
+            self.inner.close()
+        except Exception:  # nobody waits for it any more: say so, never raise into a worker
+            log.exception("closing %s after its last running call returned failed", self.inner.name)
+        else:
+            log.info("%s closed after its last running call returned", self.inner.name)
