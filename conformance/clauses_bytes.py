@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.store import Store
 from hicache_storage.conformance.backdoor import Backdoor
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope
@@ -37,7 +37,7 @@ class ByteClauses:
 
     @pytest.mark.parametrize("size", list(REALISTIC_PAGE_SIZES.values()), ids=list(REALISTIC_PAGE_SIZES))
     def test_roundtrip_realistic_page_size(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None, size: int
+        self, store: Store, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None, size: int
     ) -> None:
         """Pages as large as a real model's round-trip whole, with or without a declared max_value_size."""
         limit = store.capabilities.max_value_size
@@ -59,7 +59,7 @@ class ByteClauses:
 
     # --- the caller's buffers -------------------------------------------------------------------
 
-    def test_put_keeps_no_reference_to_the_callers_buffer(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_put_keeps_no_reference_to_the_callers_buffer(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A host pool reuses a page's memory as soon as put returns: the stored page must not follow it."""
         size = self.page_size_bytes  # type: ignore[attr-defined]
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
@@ -74,7 +74,7 @@ class ByteClauses:
             assert value is not None, "a stored page read as a miss"
             check_page(value, key)
 
-    def test_get_leaves_the_target_alone_once_it_returns(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_get_leaves_the_target_alone_once_it_returns(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A target is the caller's again when get returns: later writes of its key do not reach it."""
         size = self.page_size_bytes  # type: ignore[attr-defined]
         key = scope.key(random_hash(rng))
@@ -88,7 +88,7 @@ class ByteClauses:
     # --- the independent read/write path (backdoor) ---------------------------------------------
 
     def test_backdoor_sees_what_put_stored(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
+        self, store: Store, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
     ) -> None:
         """What put stored is the caller's bytes under the caller's key, read without the connector."""
         backdoor = self.require_backdoor(backdoor)
@@ -102,7 +102,7 @@ class ByteClauses:
         assert backdoor.get(scope.key(random_hash(rng))) is None
 
     def test_get_and_exists_serve_what_the_backdoor_stored(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
+        self, store: Store, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
     ) -> None:
         """Reads are checked against bytes the connector did not write itself."""
         backdoor = self.require_backdoor(backdoor)
@@ -118,7 +118,7 @@ class ByteClauses:
             check_page(value, key)
 
     def test_delete_removes_what_the_backdoor_sees(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
+        self, store: Store, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
     ) -> None:
         self.require(store, "delete")  # type: ignore[attr-defined]
         backdoor = self.require_backdoor(backdoor)

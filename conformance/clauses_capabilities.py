@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Level
+from hicache_storage.store import Store
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope, PageKey
 
@@ -32,17 +33,11 @@ MAX_TESTED_CAPACITY = 256 * 2**20
 HOOKS = ("_exists", "_get_into", "_put_from", "_delete")
 
 
-def stack_of(store: StorageBackend) -> list[StorageBackend]:
-    """The store and every backend below it (wrappers keep theirs in ``inner``), outermost first."""
-    levels = [store]
-    while isinstance(getattr(levels[-1], "inner", None), StorageBackend):
-        levels.append(levels[-1].inner)  # type: ignore[attr-defined]
-    return levels
 
 
 @dataclass(frozen=True)
 class HookCall:
-    level: int  # 0 is the store the caller holds; the last level is the connector itself
+    level: int  # 0 is the top of the store's stack; the last level is the connector itself
     hook: str
     keys: int
     #: Keys of the call on the same backend this one was made from (``None``: made from above).
@@ -50,11 +45,11 @@ class HookCall:
 
 
 @contextmanager
-def hook_calls(store: StorageBackend) -> Iterator[list[HookCall]]:
+def hook_calls(store: Store) -> Iterator[list[HookCall]]:
     """Record every hook call at every level of the store's stack, and which call it was made from."""
     calls: list[HookCall] = []
-    spied: list[tuple[StorageBackend, str]] = []
-    for level, backend in enumerate(stack_of(store)):
+    spied: list[tuple[Level, str]] = []
+    for level, backend in enumerate(store.levels()):
         active = threading.local()
         for name in HOOKS:
             hook = getattr(backend, name)
@@ -128,13 +123,13 @@ class CapabilityClauses:
     # --- ttl ------------------------------------------------------------------------------------
 
     @pytest.fixture
-    def ttl_backend_config(self, store: StorageBackend, backend_config: dict[str, Any]) -> tuple[dict[str, Any], float] | None:
+    def ttl_backend_config(self, store: Store, backend_config: dict[str, Any]) -> tuple[dict[str, Any], float] | None:
         """A config under which pages expire, and their time to live in seconds.
 
         Default: the connector's ``ttl_seconds`` config field set to 1. Override it for a
         connector whose expiry is configured otherwise; ``None`` means it cannot be configured.
         """
-        connector = stack_of(store)[-1]
+        connector = store.levels()[-1]
         if "ttl_seconds" in getattr(type(connector).Config, "model_fields", {}):
             return {**backend_config, "ttl_seconds": 1}, 1.0
         return None
@@ -142,8 +137,8 @@ class CapabilityClauses:
     @pytest.mark.slow
     def test_ttl_expires_pages(
         self,
-        store: StorageBackend,
-        open_backend: Callable[..., StorageBackend],
+        store: Store,
+        open_backend: Callable[..., Store],
         ttl_backend_config: tuple[dict[str, Any], float] | None,
         scope: KeyScope,
         rng: random.Random,
@@ -174,7 +169,7 @@ class CapabilityClauses:
 
     # --- zero copy ------------------------------------------------------------------------------
 
-    def test_zero_copy_read_fills_the_target_itself(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_zero_copy_read_fills_the_target_itself(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A zero-copy read lands in the caller's (page-aligned) buffer with no page-sized copy in Python."""
         self.require(store, "zero_copy_read")  # type: ignore[attr-defined]
         size = min(ZERO_COPY_PAGE_BYTES, store.capabilities.max_value_size or ZERO_COPY_PAGE_BYTES)
@@ -189,7 +184,7 @@ class CapabilityClauses:
             target.close()
         assert peak < size // 2, f"a zero-copy read of a {size}-byte page allocated {peak} bytes in Python: a staged copy"
 
-    def test_zero_copy_write_takes_the_source_itself(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_zero_copy_write_takes_the_source_itself(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A zero-copy write reads the caller's (page-aligned) buffer with no page-sized copy in Python."""
         self.require(store, "zero_copy_write")  # type: ignore[attr-defined]
         size = min(ZERO_COPY_PAGE_BYTES, store.capabilities.max_value_size or ZERO_COPY_PAGE_BYTES)
@@ -207,7 +202,7 @@ class CapabilityClauses:
 
     # --- batching -------------------------------------------------------------------------------
 
-    def test_native_batch_exists_is_one_call_per_batch(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_native_batch_exists_is_one_call_per_batch(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """The connector answers exists for a batch in one call: it never splits the batch into
         smaller calls of its own hooks (key by key). Spies on every hook of the connector."""
         self.require(store, "native_batch_exists")  # type: ignore[attr-defined]
@@ -217,7 +212,7 @@ class CapabilityClauses:
         keys = [scope.key(random_hash(rng)) for _ in range(min(24, 2 * step))]
         stored = keys[::2]
         assert store.put(stored, [page_for(k, 256) for k in stored]) == [True] * len(stored)
-        connector = len(stack_of(store)) - 1
+        connector = len(store.levels()) - 1
         with hook_calls(store) as calls:
             assert store.exists(keys) == [i % 2 == 0 for i in range(len(keys))]
         answered = [c for c in calls if c.level == connector and c.within is None]
@@ -228,7 +223,7 @@ class CapabilityClauses:
             f"({split[0].hook} of {split[0].keys} keys first): not one round trip per batch"
         )
 
-    def test_max_batch_full_batches_round_trip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_max_batch_full_batches_round_trip(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """Batches of exactly max_batch keys, and one more, work for every operation (the limit is honest)."""
         limit = store.capabilities.max_batch
         if limit is None:
@@ -247,16 +242,16 @@ class CapabilityClauses:
 
     # --- persistence and processes ----------------------------------------------------------------
 
-    def peer_request(self, backend_name: str, backend_config: dict[str, Any], backend_wrappers: Any, scope: KeyScope) -> dict[str, Any]:
-        return {"backend": backend_name, "config": backend_config, "wrappers": backend_wrappers, "namespace": scope.namespace.describe()}
+    def peer_request(self, backend_name: str, backend_config: dict[str, Any], backend_layers: Any, scope: KeyScope) -> dict[str, Any]:
+        return {"backend": backend_name, "config": backend_config, "layers": backend_layers, "namespace": scope.namespace.describe()}
 
     @pytest.mark.slow
     def test_visible_across_processes(
         self,
-        store: StorageBackend,
+        store: Store,
         backend_name: str,
         backend_config: dict[str, Any],
-        backend_wrappers: list[dict[str, Any]] | None,
+        backend_layers: list[dict[str, Any]] | None,
         scope: KeyScope,
         rng: random.Random,
     ) -> None:
@@ -265,7 +260,7 @@ class CapabilityClauses:
         self.require(store, "shared_across_processes")  # type: ignore[attr-defined]
         ours, theirs = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         assert store.put([ours], [page_for(ours, 4096)]) == [True]
-        request = self.peer_request(backend_name, backend_config, backend_wrappers, scope)
+        request = self.peer_request(backend_name, backend_config, backend_layers, scope)
         peer = PeerProcess({**request, "read": ours.page_hash, "write": theirs.page_hash, "size": 4096, "stay": True})
         try:
             answer = peer.answer()
@@ -280,18 +275,18 @@ class CapabilityClauses:
     @pytest.mark.slow
     def test_pages_outlive_their_writer_process(
         self,
-        store: StorageBackend,
-        open_backend: Callable[..., StorageBackend],
+        store: Store,
+        open_backend: Callable[..., Store],
         backend_name: str,
         backend_config: dict[str, Any],
-        backend_wrappers: list[dict[str, Any]] | None,
+        backend_layers: list[dict[str, Any]] | None,
         scope: KeyScope,
         rng: random.Random,
     ) -> None:
         """outlives_writer: pages another process wrote stay readable after that process exits."""
         self.require(store, "outlives_writer")  # type: ignore[attr-defined]
         theirs = scope.key(random_hash(rng))
-        request = self.peer_request(backend_name, backend_config, backend_wrappers, scope)
+        request = self.peer_request(backend_name, backend_config, backend_layers, scope)
         peer = PeerProcess({**request, "read": theirs.page_hash, "write": theirs.page_hash, "size": 4096, "stay": False})
         answer = peer.answer()
         code = peer.finish()
@@ -303,7 +298,7 @@ class CapabilityClauses:
             check_page(value, theirs)
 
     def test_persistence_across_instances(
-        self, store: StorageBackend, open_backend: Callable[..., StorageBackend], scope: KeyScope, rng: random.Random
+        self, store: Store, open_backend: Callable[..., Store], scope: KeyScope, rng: random.Random
     ) -> None:
         """persistent: a new instance sees the last version of each page, and not the deleted ones."""
         self.require(store, "persistent")  # type: ignore[attr-defined]
@@ -324,7 +319,7 @@ class CapabilityClauses:
 
     # --- capacity -------------------------------------------------------------------------------
 
-    def test_capacity_is_kept_and_a_prefix_keeps_its_head(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_capacity_is_kept_and_a_prefix_keeps_its_head(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """capacity_bytes: one put of twice the capacity leaves at most the capacity stored, and what
         stays is the head of the batch (a prefix is useless without its first pages)."""
         capacity = store.capabilities.capacity_bytes

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.store import Store
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
 
@@ -86,12 +86,12 @@ def near_scopes(variant: str) -> tuple[KeyScope, KeyScope]:
 class IdentityClauses:
     """Operations touch exactly the key they name; duplicates in a batch resolve to the last write."""
 
-    def require_operation(self, store: StorageBackend, operation: str) -> None:
+    def require_operation(self, store: Store, operation: str) -> None:
         if operation in ("delete", "clear"):
             self.require(store, operation)  # type: ignore[attr-defined]
 
     @staticmethod
-    def clear_quietly(store: StorageBackend, *namespaces: Namespace) -> None:
+    def clear_quietly(store: Store, *namespaces: Namespace) -> None:
         if store.capabilities.clear:
             for namespace in dict.fromkeys(namespaces):
                 store.clear(namespace)
@@ -100,7 +100,7 @@ class IdentityClauses:
 
     @pytest.mark.parametrize("operation", OPERATIONS)
     def test_keys_that_prefix_each_other_are_distinct(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, operation: str
+        self, store: Store, scope: KeyScope, rng: random.Random, operation: str
     ) -> None:
         """Hashes of 8..128 digits where each is a prefix of the next: each names its own page."""
         self.require_operation(store, operation)
@@ -146,7 +146,7 @@ class IdentityClauses:
 
     @pytest.mark.parametrize("operation", OPERATIONS)
     @pytest.mark.parametrize("variant", NEAR_IDENTITIES)
-    def test_near_identities_are_distinct(self, store: StorageBackend, rng: random.Random, variant: str, operation: str) -> None:
+    def test_near_identities_are_distinct(self, store: Store, rng: random.Random, variant: str, operation: str) -> None:
         """Two identities differing in one field only (or only in letter case) never share a page."""
         self.require_operation(store, operation)
         mine_scope, theirs_scope = near_scopes(variant)
@@ -186,7 +186,7 @@ class IdentityClauses:
 
     # --- duplicates in one batch ----------------------------------------------------------------
 
-    def test_duplicate_keys_last_write_wins(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_duplicate_keys_last_write_wins(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """The same key several times in one put: every position reports stored, the last value stays."""
         a, b = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         batch = [a, b, a, a, b, a]
@@ -196,7 +196,7 @@ class IdentityClauses:
         assert check_page(got[0], a, versions=range(len(batch))) == 5, "the last write of a duplicate key must win"
         assert check_page(got[1], b, versions=range(len(batch))) == 4, "the last write of a duplicate key must win"
 
-    def test_duplicate_keys_across_batches_last_write_wins(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_duplicate_keys_across_batches_last_write_wins(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A batch split to max_batch still ends with the value of the key's last position."""
         key = scope.key(random_hash(rng))
         count = 2 * (store.capabilities.max_batch or 20) + 1
@@ -205,7 +205,7 @@ class IdentityClauses:
         [got] = store.get([key], PAGE)
         assert check_page(got, key, versions=range(count)) == count - 1, "the last write of a duplicate key must win"
 
-    def test_duplicate_keys_in_one_get_fill_every_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_duplicate_keys_in_one_get_fill_every_target(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         a, missing = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         assert store.put([a], [page_for(a, PAGE)]) == [True]
         targets = [bytearray(PAGE) for _ in range(4)]

@@ -20,7 +20,7 @@ def main() -> int:
     request = json.loads(sys.stdin.readline())
     fields = {k: v for k, v in request["namespace"].items() if k != "fingerprint"}
     scope = KeyScope(Namespace(**fields))
-    with open_store(store_spec(request["backend"], request["config"], request.get("wrappers"))) as store:
+    with open_store(store_spec(request["backend"], request["config"], request.get("layers"))) as store:
         size = request["size"]
         [read] = store.get([scope.key(request["read"])], size)
         key = scope.key(request["write"])

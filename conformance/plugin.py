@@ -2,7 +2,7 @@
 
 Adds the options that pick the backend for ``pytest --pyargs hicache_storage.conformance``, and
 writes the report when ``--hicache-report`` is given. The options are checked once, before any
-clause runs: a bad config, wrapper spec or unusable store is one usage error, not the same error
+clause runs: a bad config, layer spec or unusable store is one usage error, not the same error
 from every clause. A clause that fails on an exception that is neither an assertion nor a
 ``StorageError`` (a connector's bare ``ValueError``, ``KeyError``...) is marked so, and the report
 names the failure an untyped error.
@@ -33,7 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("hicache", "hicache-storage conformance suite")
     group.addoption("--hicache-backend", help="backend under test: a registered name or 'package.module:Class'")
     group.addoption("--hicache-config", help="backend config: a JSON object or @path to a json/toml/yaml file")
-    group.addoption("--hicache-wrappers", help="wrapper specs to apply around the backend, as a JSON list")
+    group.addoption("--hicache-layers", help="layer specs to open the backend under, innermost first, as a JSON list")
     group.addoption("--hicache-report", metavar="STEM", help="write the report to STEM.json and STEM.md")
 
 
@@ -42,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
     backend = config.getoption("--hicache-backend", default=None)
     if backend:
         try:
-            check_options(backend, config.getoption("--hicache-config"), config.getoption("--hicache-wrappers"))
+            check_options(backend, config.getoption("--hicache-config"), config.getoption("--hicache-layers"))
         except StorageError as exc:
             raise pytest.UsageError(f"hicache-storage conformance: {one_line(str(exc))}") from None
     stem = config.getoption("--hicache-report", default=None)

@@ -13,18 +13,18 @@ from typing import Any
 from hicache_storage.errors import ErrorStatus, StorageError
 
 
-def check_options(backend: str, config: Any, wrappers: Any) -> None:
-    """Open ``backend`` once with ``config`` inside ``wrappers``, then close it.
+def check_options(backend: str, config: Any, layers: Any) -> None:
+    """Open ``backend`` once with ``config`` under ``layers``, then close it.
 
     Raises what every clause would otherwise raise on its own: :class:`ConfigError` for malformed
-    JSON, a missing ``@file``, an unknown key, a wrong type or a bad wrapper spec; the backend's
+    JSON, a missing ``@file``, an unknown key, a wrong type or a bad layer spec; the backend's
     own :class:`StorageError` for a store it cannot use (a root that is not a writable directory,
     a server that does not answer). Anything else the backend raises while opening is reported
     as a :class:`StorageError` naming the backend.
     """
     from hicache_storage.spec import open_store, store_spec
 
-    spec = store_spec(backend, config, wrappers)  # a bad config or wrapper spec: ConfigError, nothing opened
+    spec = store_spec(backend, config, layers)  # a bad config or layer spec: ConfigError, nothing opened
     try:
         store = open_store(spec)  # as every clause opens it
     except StorageError:

@@ -115,14 +115,14 @@ class ReportCollector:
     def build(self) -> Report:
         name = self.config.getoption("--hicache-backend") or "(unset)"
         config, capabilities = _describe_backend(name, self.config.getoption("--hicache-config"))
-        wrappers = self.config.getoption("--hicache-wrappers")
+        layers = self.config.getoption("--hicache-layers")
         environment = {
             "python": platform.python_version(),
             "platform": platform.platform(terse=True),
             "hicache-storage": _version(),
         }
-        if wrappers:
-            environment["wrappers"] = wrappers
+        if layers:
+            environment["layers"] = layers
         return Report(name, config, capabilities, self.started, environment, list(self.results.values()))
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, PageKey
 
 SIZES = (16, 1024, 4096)
 
 
-def make_machine(store: StorageBackend, scope: KeyScope) -> type[RuleBasedStateMachine]:
+def make_machine(store: Store, scope: KeyScope) -> type[RuleBasedStateMachine]:
     """A state machine class bound to one open backend; each run gets keys of its own.
 
     Rules draw key *indices*; each machine instance maps them into a fresh page-hash range, so a

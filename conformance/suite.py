@@ -1,4 +1,4 @@
-"""The conformance suite: behaviour every StorageBackend must show, as one pytest base class.
+"""The conformance suite: behaviour every connector must show, as one pytest base class.
 
 Use it from your own tests::
 
@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import RawBuffer
 from hicache_storage.capabilities import Capabilities
+from hicache_storage.compat import conformance_layers_by_old_names
 from hicache_storage.conformance.backdoor import Backdoor, builtin_backdoor
 from hicache_storage.conformance.clauses_bytes import ByteClauses
 from hicache_storage.conformance.clauses_capabilities import CapabilityClauses
@@ -56,6 +56,7 @@ from hicache_storage.errors import (
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.spec import open_store, store_spec
+from hicache_storage.store import Store
 
 #: Largest ``max_value_size`` the suite writes in full to prove the limit is honest.
 MAX_TESTED_VALUE_SIZE = 64 * 2**20
@@ -112,13 +113,13 @@ class CoreClauses:
 
     @pytest.mark.parametrize("size", [1, 4095, 4096, 65543, 2**20])
     @pytest.mark.parametrize("pattern", ["zeros", "ones", "counter", "random"])
-    def test_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random, size: int, pattern: str) -> None:
+    def test_roundtrip(self, store: Store, scope: KeyScope, rng: random.Random, size: int, pattern: str) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
         values = [page_bytes(rng, size, pattern) for _ in keys]
         self.write(store, keys, values)
         assert store.get(keys, size) == values
 
-    def test_roundtrip_segments(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_roundtrip_segments(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A page written as K and V halves reads back into any other split of the same bytes."""
         key = scope.key(random_hash(rng))
         k_half, v_half = rng.randbytes(3000), rng.randbytes(5192)
@@ -127,7 +128,7 @@ class CoreClauses:
         assert store.get_into([key], [[first, second, third]]) == [True]
         assert bytes(first + second + third) == k_half + v_half
 
-    def test_raw_buffer_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_raw_buffer_roundtrip(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """Pages given as (address, size), as SGLang's host pool hands them out."""
         key = scope.key(random_hash(rng))
         data = rng.randbytes(self.page_size_bytes)
@@ -137,7 +138,7 @@ class CoreClauses:
         assert store.get_into([key], [RawBuffer(ctypes.addressof(target), len(data))]) == [True]
         assert bytes(target) == data
 
-    def test_registered_buffer_roundtrip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_registered_buffer_roundtrip(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """I/O from and into memory announced with register_buffer (a host pool) is exact."""
         pool = bytearray(8 * self.page_size_bytes)
         store.register_buffer(pool)
@@ -153,7 +154,7 @@ class CoreClauses:
 
     # --- per-key results ----------------------------------------------------------------------
 
-    def test_misses_are_per_key(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_misses_are_per_key(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(6)]
         written = {0, 2, 3}
         values = {i: rng.randbytes(self.page_size_bytes) for i in written}
@@ -162,7 +163,7 @@ class CoreClauses:
         assert store.exists(keys) == expected
         assert store.get(keys, self.page_size_bytes) == [values.get(i) for i in range(6)]
 
-    def test_batch_order(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_batch_order(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(40)]
         values = [rng.randbytes(512) for _ in keys]
         self.write(store, keys, values)
@@ -170,14 +171,14 @@ class CoreClauses:
         rng.shuffle(order)
         assert store.get([keys[i] for i in order], 512) == [values[i] for i in order]
 
-    def test_duplicate_keys_in_batch(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_duplicate_keys_in_batch(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         a, b = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         value_a = rng.randbytes(1024)
         assert store.put([a, a], [value_a, value_a]) == [True, True]
         assert store.exists([a, b, a]) == [True, False, True]
         assert store.get([a, b, a], 1024) == [value_a, None, value_a]
 
-    def test_empty_batches(self, store: StorageBackend) -> None:
+    def test_empty_batches(self, store: Store) -> None:
         assert store.put_from([], []) == []
         assert store.exists([]) == []
         assert store.get_into([], []) == []
@@ -185,7 +186,7 @@ class CoreClauses:
         if store.capabilities.delete:
             assert store.delete([]) == []
 
-    def test_result_count_equals_request_count(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_result_count_equals_request_count(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """300 pages: more than any sensible max_batch, so the SDK's batch splitting is exercised too."""
         keys = [scope.key(random_hash(rng)) for _ in range(300)]
         values = [rng.randbytes(64) for _ in keys]
@@ -193,19 +194,20 @@ class CoreClauses:
         assert len(store.exists(keys)) == 300
         assert store.get(keys, 64) == values
 
-    def test_hooks_never_see_more_than_max_batch(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_hooks_never_see_more_than_max_batch(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         limit = store.capabilities.max_batch
         if limit is None:
             pytest.skip("unsupported: no max_batch declared, so any batch size is allowed")
         seen: list[int] = []
+        top = store.top  # the store splits batches before it calls the top of its stack
         for hook_name in ("_exists", "_get_into", "_put_from"):
-            hook = getattr(store, hook_name)
+            hook = getattr(top, hook_name)
 
             def spy(keys: list[PageKey], *rest: Any, _hook: Any = hook) -> list[bool]:
                 seen.append(len(keys))
                 return _hook(keys, *rest)
 
-            setattr(store, hook_name, spy)
+            setattr(top, hook_name, spy)
         keys = [scope.key(random_hash(rng)) for _ in range(2 * limit + 3)]
         store.put(keys, [b"x" * 16] * len(keys))
         store.exists(keys)
@@ -220,7 +222,7 @@ class CoreClauses:
         ids=["no-hole", "hole-at-head", "hole-in-middle", "hole-at-tail", "two-holes", "all-missing"],
     )
     def test_prefix_exists(
-        self, store: StorageBackend, scope: KeyScope, rng: random.Random, missing: tuple[int, ...], expected: int
+        self, store: Store, scope: KeyScope, rng: random.Random, missing: tuple[int, ...], expected: int
     ) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(10)]
         present = [k for i, k in enumerate(keys) if i not in missing]
@@ -230,14 +232,14 @@ class CoreClauses:
 
     # --- overwrite, delete, clear -------------------------------------------------------------
 
-    def test_overwrite(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_overwrite(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         key = scope.key(random_hash(rng))
         old, new = rng.randbytes(4096), rng.randbytes(4096)
         self.write(store, [key], [old])
         self.write(store, [key], [new])
         assert store.get([key], 4096) == [new]
 
-    def test_overwrite_with_other_length(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_overwrite_with_other_length(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         key = scope.key(random_hash(rng))
         self.write(store, [key], [rng.randbytes(4096)])
         new = rng.randbytes(1000)
@@ -245,7 +247,7 @@ class CoreClauses:
         assert store.get([key], 1000) == [new]
         assert store.get([key], 4096) == [None]
 
-    def test_delete(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_delete(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         if not store.capabilities.delete:
             with pytest.raises(UnsupportedOperationError):
                 store.delete([scope.key(random_hash(rng))])
@@ -257,7 +259,7 @@ class CoreClauses:
         assert store.exists([keep, gone]) == [True, False]
         assert store.get([gone], 256) == [None]
 
-    def test_clear_is_scoped_to_its_namespace(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_clear_is_scoped_to_its_namespace(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         other = KeyScope(Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64))
         if not store.capabilities.clear:
             with pytest.raises(UnsupportedOperationError):
@@ -277,7 +279,7 @@ class CoreClauses:
     # --- isolation ----------------------------------------------------------------------------
 
     @pytest.mark.parametrize("field", [*NAMESPACE_VARIANTS, *SHARD_VARIANTS, "part"])
-    def test_isolation(self, store: StorageBackend, scope: KeyScope, rng: random.Random, field: str) -> None:
+    def test_isolation(self, store: Store, scope: KeyScope, rng: random.Random, field: str) -> None:
         """The same page hash under an identity that differs in one field is another page."""
         if field in NAMESPACE_VARIANTS:
             other = KeyScope(replace(scope.namespace, **{field: NAMESPACE_VARIANTS[field]}), scope.shard, scope.part)
@@ -299,7 +301,7 @@ class CoreClauses:
 
     # --- exact bytes --------------------------------------------------------------------------
 
-    def test_read_writes_exactly_the_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_read_writes_exactly_the_target(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """Zero-copy reads fill the target and not one byte around it, on hits and on misses."""
         hit, miss = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         value = rng.randbytes(4096)
@@ -313,17 +315,17 @@ class CoreClauses:
         assert arena[10096:] == b"\xa5" * (len(arena) - 10096)
 
     @pytest.mark.parametrize("delta", [-1, 1])
-    def test_length_mismatch_is_a_miss(self, store: StorageBackend, scope: KeyScope, rng: random.Random, delta: int) -> None:
+    def test_length_mismatch_is_a_miss(self, store: Store, scope: KeyScope, rng: random.Random, delta: int) -> None:
         key = scope.key(random_hash(rng))
         self.write(store, [key], [rng.randbytes(4096)])
         assert store.get_into([key], [bytearray(4096 + delta)]) == [False]
 
     # --- declared capabilities ----------------------------------------------------------------
 
-    def test_capabilities_are_declared(self, store: StorageBackend) -> None:
+    def test_capabilities_are_declared(self, store: Store) -> None:
         assert isinstance(store.capabilities, Capabilities)
 
-    def test_max_value_size_is_honest(self, store: StorageBackend, scope: KeyScope) -> None:
+    def test_max_value_size_is_honest(self, store: Store, scope: KeyScope) -> None:
         limit = store.capabilities.max_value_size
         if limit is None:
             pytest.skip("unsupported: no max_value_size declared")
@@ -341,24 +343,24 @@ class CoreClauses:
 
     # --- bad input ----------------------------------------------------------------------------
 
-    def test_rejects_non_key(self, store: StorageBackend) -> None:
+    def test_rejects_non_key(self, store: Store) -> None:
         with pytest.raises(InvalidKeyError):
             store.exists(["not-a-key"])  # type: ignore[list-item]
 
-    def test_rejects_mismatched_buffers(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_rejects_mismatched_buffers(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(2)]
         with pytest.raises(InvalidArgumentError):
             store.put(keys, [b"x"])
         with pytest.raises(InvalidArgumentError):
             store.get_into(keys, [bytearray(1)])
 
-    def test_rejects_read_only_target(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_rejects_read_only_target(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         with pytest.raises(InvalidArgumentError):
             store.get_into([scope.key(random_hash(rng))], [b"read-only bytes"])
 
     # --- the error contract -------------------------------------------------------------------
 
-    def test_only_storage_errors_escape(self, open_backend: Callable[..., StorageBackend], scope: KeyScope, rng: random.Random) -> None:
+    def test_only_storage_errors_escape(self, open_backend: Callable[..., Store], scope: KeyScope, rng: random.Random) -> None:
         """Every failure is a ``StorageError`` with a status (:mod:`hicache_storage.errors`), never a
         bare Python exception. Calls at the edges, on a store that saw nothing before them (a
         connector may size itself from its first put), either return or raise one; a ``ValueError``
@@ -393,7 +395,7 @@ class CoreClauses:
             "which carries a status): " + "; ".join(untyped)
         )
 
-    def test_closed_backend_refuses_calls(self, open_backend: Callable[..., StorageBackend], scope: KeyScope, rng: random.Random) -> None:
+    def test_closed_backend_refuses_calls(self, open_backend: Callable[..., Store], scope: KeyScope, rng: random.Random) -> None:
         store = open_backend()
         store.close()
         store.close()  # idempotent
@@ -403,7 +405,7 @@ class CoreClauses:
     # --- model-based --------------------------------------------------------------------------
 
     @pytest.mark.slow
-    def test_state_machine_matches_dict_model(self, store: StorageBackend, scope: KeyScope) -> None:
+    def test_state_machine_matches_dict_model(self, store: Store, scope: KeyScope) -> None:
         from hypothesis import HealthCheck, settings
         from hypothesis.stateful import run_state_machine_as_test
 
@@ -423,7 +425,7 @@ class CoreClauses:
 
     # --- multi-pool storage (hybrid models: KV plus side pools) --------------------------------
 
-    def hybrid_store(self, store: StorageBackend, scope: KeyScope) -> MultiPoolStore:
+    def hybrid_store(self, store: Store, scope: KeyScope) -> MultiPoolStore:
         return MultiPoolStore(store, scope, HYBRID_POOLS)
 
     def write_pools(self, pools: MultiPoolStore, chain: list[str], presence: dict[str, list[bool]]) -> None:
@@ -432,7 +434,7 @@ class CoreClauses:
             values = [(name.encode() + bytes.fromhex(h)).ljust(POOL_PAGE_BYTES, b"\0") for h in pages]
             assert pools.put(name, pages, values) == [True] * len(pages), f"put did not store every page of pool {name!r}"
 
-    def test_multipool_pools_are_isolated(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_pools_are_isolated(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """The same page hash in two pools names two values: each reads back its own bytes."""
         pools = self.hybrid_store(store, scope)
         page_hash = random_hash(rng)
@@ -446,7 +448,7 @@ class CoreClauses:
         assert pools.get_into("mamba", [page_hash], targets[2:]) == [False]
         assert (bytes(targets[0]), bytes(targets[1])) == (kv_value, swa_value)
 
-    def test_multipool_delete_in_one_pool_leaves_the_others(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_delete_in_one_pool_leaves_the_others(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         self.require(store, "delete")
         pools = self.hybrid_store(store, scope)
         page_hash = random_hash(rng)
@@ -460,7 +462,7 @@ class CoreClauses:
             assert pools.get_into(name, [page_hash], [target]) == [True]
             assert bytes(target) == values[name], f"deleting a swa page changed the {name} page"
 
-    def test_multipool_checkpoint_is_stored_under_its_last_page(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_checkpoint_is_stored_under_its_last_page(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A recurrent checkpoint valid at cut c lives under page c - 1's hash: the prefix ends at the
         last cut with a checkpoint, even where later KV is stored."""
         pools = self.hybrid_store(store, scope)
@@ -470,7 +472,7 @@ class CoreClauses:
         assert pools.usable_pages(chain) == 5
         assert pools.usable_pages(chain[:4]) == 2
 
-    def test_multipool_usable_pages_is_the_longest_cut(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_usable_pages_is_the_longest_cut(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """Random presence in every pool: the lookup equals the model's longest cut every pool accepts."""
         pools = self.hybrid_store(store, scope)
         for _ in range(4):
@@ -480,7 +482,7 @@ class CoreClauses:
             assert pools.presence(chain) == presence
             assert pools.usable_pages(chain) == restorable_cut(HYBRID_POOLS, presence), presence
 
-    def test_multipool_removing_any_side_page_shortens_the_hit(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_removing_any_side_page_shortens_the_hit(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """Delete any one page a side pool needs at the full cut: never a full hit with missing state."""
         self.require(store, "delete")
         pools = self.hybrid_store(store, scope)
@@ -499,7 +501,7 @@ class CoreClauses:
                 self.write_pools(pools, chain, {spec.name: [i == page for i in range(len(chain))]})
         assert pools.usable_pages(chain) == len(chain)
 
-    def test_multipool_sidecar_segments_round_trip(self, store: StorageBackend, scope: KeyScope, rng: random.Random) -> None:
+    def test_multipool_sidecar_segments_round_trip(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A draft model's KV rides as extra segments of the KV page: one value, saved and restored together."""
         pools = self.hybrid_store(store, scope)
         chain = [random_hash(rng) for _ in range(3)]
@@ -519,8 +521,8 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
 
     #: Registry name or ``package.module:Class`` of the backend under test.
     backend: ClassVar[str] = ""
-    #: Wrapper specs applied around the backend (see ``hicache_storage.wrappers.wrap``).
-    wrappers: ClassVar[list[dict[str, Any]] | None] = None
+    #: Layer specs the backend is opened under, innermost first (see ``hicache_storage.layers.stack_layers``).
+    layers: ClassVar[list[dict[str, Any]] | None] = None
     #: Capability fields to override for this run: declare an emulator's gaps here, never as
     #: ``if emulator:`` in a test.
     capability_overrides: ClassVar[dict[str, Any]] = {}
@@ -542,20 +544,23 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
         return {}
 
     @pytest.fixture
-    def backend_wrappers(self) -> list[dict[str, Any]] | None:
-        """Wrapper specs around the backend; defaults to the ``wrappers`` class attribute."""
-        return self.wrappers
+    def backend_layers(self, request: pytest.FixtureRequest) -> list[dict[str, Any]] | None:
+        """Layer specs the backend is opened under; defaults to the ``layers`` class attribute.
+
+        A test class written before layers had their name (a ``backend_wrappers`` fixture or a
+        ``wrappers`` class attribute) still works, with a deprecation warning."""
+        return conformance_layers_by_old_names(self, request) if self.layers is None else self.layers
 
     @pytest.fixture
     def open_backend(
-        self, backend_name: str, backend_config: dict[str, Any], backend_wrappers: list[dict[str, Any]] | None
-    ) -> Iterator[Callable[..., StorageBackend]]:
-        """A factory of backends with the configuration under test (or the config it is given);
+        self, backend_name: str, backend_config: dict[str, Any], backend_layers: list[dict[str, Any]] | None
+    ) -> Iterator[Callable[..., Store]]:
+        """A factory of stores with the configuration under test (or the config it is given);
         each is closed afterwards."""
-        opened: list[StorageBackend] = []
+        opened: list[Store] = []
 
-        def factory(config: dict[str, Any] | None = None) -> StorageBackend:
-            store = self.make_backend(backend_name, backend_config if config is None else config, backend_wrappers)
+        def factory(config: dict[str, Any] | None = None) -> Store:
+            store = self.make_backend(backend_name, backend_config if config is None else config, backend_layers)
             opened.append(store)
             return store
 
@@ -564,11 +569,11 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
             store.close()
 
     @pytest.fixture
-    def store(self, open_backend: Callable[..., StorageBackend]) -> StorageBackend:
+    def store(self, open_backend: Callable[..., Store]) -> Store:
         return open_backend()
 
     @pytest.fixture
-    def backdoor(self, store: StorageBackend) -> Backdoor | None:
+    def backdoor(self, store: Store) -> Backdoor | None:
         """An independent read/write path into the store (see :mod:`~hicache_storage.conformance.backdoor`),
         or ``None``. Default: the built-in one for a bare memory or file connector. Override it to
         give your connector's (a raw client reading and writing the stored value)."""
@@ -579,7 +584,7 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
         return random.Random(request.node.nodeid)
 
     @pytest.fixture
-    def namespace(self, store: StorageBackend) -> Iterator[Namespace]:
+    def namespace(self, store: Store) -> Iterator[Namespace]:
         namespace = Namespace(model=f"conformance-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64)
         yield namespace
         if store.capabilities.clear and not store.closed:
@@ -591,15 +596,16 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def make_backend(self, name: str, config: dict[str, Any], wrappers: list[dict[str, Any]] | None) -> StorageBackend:
-        """The store under test: ``name`` with ``config`` under ``wrappers``, with this class's
+    def make_backend(self, name: str, config: dict[str, Any], layers: list[dict[str, Any]] | None) -> Store:
+        """The store under test: ``name`` with ``config`` under ``layers``, with this class's
         ``capability_overrides`` set on the connector (so every layer above sees them)."""
-        return open_store(store_spec(name, config, wrappers, capability_overrides=self.capability_overrides))
+        return open_store(store_spec(name, config, layers, capability_overrides=self.capability_overrides))
 
     @staticmethod
-    def require(store: StorageBackend, capability: str) -> None:
+    def require(store: Store, capability: str) -> None:
         if not getattr(store.capabilities, capability):
             pytest.skip(f"unsupported: the backend does not declare {capability}")
 
-    def write(self, store: StorageBackend, keys: list[PageKey], values: list[bytes]) -> None:
+    def write(self, store: Store, keys: list[PageKey], values: list[bytes]) -> None:
         assert store.put(keys, values) == [True] * len(keys), "put did not store every page"
+

@@ -24,6 +24,6 @@ class TestConformance(ConformanceTests):
         return load_config_source(request.config.getoption("--hicache-config"))
 
     @pytest.fixture
-    def backend_wrappers(self, request: pytest.FixtureRequest) -> list[dict[str, Any]] | None:
-        raw = request.config.getoption("--hicache-wrappers")
+    def backend_layers(self, request: pytest.FixtureRequest) -> list[dict[str, Any]] | None:
+        raw = request.config.getoption("--hicache-layers")
         return json.loads(raw) if raw else None

@@ -77,7 +77,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.batching import map_all
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
@@ -178,7 +178,7 @@ class FileConfig(BackendConfig):
     )
 
 
-class FileBackend(StorageBackend):
+class FileBackend(Connector):
     """Pages as files under ``config.root``. See the module docstring for every contract."""
 
     name = "file"

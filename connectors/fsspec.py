@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.batching import write_last_positions, map_outcomes
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
@@ -72,7 +72,7 @@ class FsspecConfig(BackendConfig):
     max_concurrency: int = pydantic.Field(8, ge=1, le=256, description="parallel page operations per batch")
 
 
-class FsspecBackend(StorageBackend):
+class FsspecBackend(Connector):
     name = "fsspec"
     Config = FsspecConfig
     capabilities = Capabilities(delete=True, clear=True)

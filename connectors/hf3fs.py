@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -98,7 +98,7 @@ class HF3FSConfig(BackendConfig):
     usrbio_timeout_s: float = pydantic.Field(30.0, gt=0, description="how long a usrbio submission may take")
 
 
-class HF3FSBackend(StorageBackend):
+class HF3FSBackend(Connector):
     """Pages in slot files on a 3FS mount. See the module docstring; untested against real 3FS."""
 
     name = "hf3fs"

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -41,7 +41,7 @@ _SHARED: dict[str, _Store] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-class MemoryBackend(StorageBackend):
+class MemoryBackend(Connector):
     name = "memory"
     Config = MemoryConfig
     capabilities = Capabilities(native_batch_exists=True, delete=True, clear=True)

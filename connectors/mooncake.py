@@ -84,7 +84,7 @@ from urllib.parse import urlparse
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, join_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig, parse_size
@@ -189,7 +189,7 @@ def _address(view: memoryview) -> int | None:
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(Connector):
     """Pages in a Mooncake Store cluster. See the module docstring for semantics and error mapping."""
 
     name = "mooncake"

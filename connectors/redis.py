@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, join_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.connectors._redis_cluster import ClusterPipelines
@@ -64,7 +64,7 @@ def _import_redis() -> Any:
     return redis
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(Connector):
     """Pages as Redis strings on a standalone server or a cluster. See the module docstring."""
 
     name = "redis"

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.batching import write_last_positions, map_outcomes
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
@@ -112,7 +112,7 @@ class S3Config(BackendConfig):
         return secret
 
 
-class S3Backend(StorageBackend):
+class S3Backend(Connector):
     name = "s3"
     Config = S3Config
     capabilities = Capabilities(

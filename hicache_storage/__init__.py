@@ -1,13 +1,19 @@
 """hicache-storage: the storage-backend SDK for the L3 tier of hierarchical KV caches.
 
-Start with :class:`StorageBackend` (the connector contract), :mod:`hicache_storage.keys` (page
-keys) and :func:`open_store` (a connector, its config and its layers from one :class:`StoreSpec`).
+Three types, one job each: a :class:`Connector` is what a storage vendor writes (hooks and a
+capability declaration, :mod:`hicache_storage.connector`); a :class:`Layer` wraps the level below
+it (timeout, retry, integrity, metrics, faults: :mod:`hicache_storage.layers`); a :class:`Store`
+is what :func:`open_store` returns and every caller holds (:mod:`hicache_storage.store`). Pages
+are named by :mod:`hicache_storage.keys`. The names from before (``StorageBackend``, ``wrap``,
+the ``*Wrapper`` classes) still work for one release: :mod:`hicache_storage.compat`.
 """
 
-from hicache_storage.backend import StorageBackend
+from typing import Any
+
 from hicache_storage.buffers import RawBuffer
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
+from hicache_storage.connector import Connector, Level
 from hicache_storage.errors import (
     AuthenticationError,
     BackendClosedError,
@@ -33,8 +39,8 @@ from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard, hash_page,
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec, longest_cut
 from hicache_storage.registry import create_backend, describe_backends, resolve
 from hicache_storage.spec import StoreSpec, open_store, store_spec
+from hicache_storage.layers import Layer, stack_layers
 from hicache_storage.store import Store
-from hicache_storage.wrappers import wrap
 
 __version__ = "0.1.0"
 
@@ -46,12 +52,15 @@ __all__ = [
     "BackendUnavailableError",
     "Capabilities",
     "CapacityError",
+    "Connector",
     "ConfigError",
     "ErrorStatus",
     "InvalidArgumentError",
     "InvalidKeyError",
     "HitPolicy",
     "KeyScope",
+    "Layer",
+    "Level",
     "MissingDependencyError",
     "MultiPoolStore",
     "Namespace",
@@ -62,7 +71,6 @@ __all__ = [
     "RawBuffer",
     "RetryableError",
     "Shard",
-    "StorageBackend",
     "StorageError",
     "Store",
     "StoreSpec",
@@ -78,6 +86,15 @@ __all__ = [
     "open_store",
     "page_hashes",
     "resolve",
+    "stack_layers",
     "store_spec",
-    "wrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The names from before Connector / Layer / Store (``StorageBackend``, ``wrap``), from :mod:`hicache_storage.compat`."""
+    if name in ("StorageBackend", "wrap"):
+        from hicache_storage import compat
+
+        return getattr(compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,7 +73,8 @@ def build_parser() -> OneLineParser:
     )
     conformance.add_argument("backend", help="registered name or package.module:Class")
     conformance.add_argument("--config", help="backend config: a JSON object or @path (json, toml, yaml)")
-    conformance.add_argument("--wrappers", help="wrapper specs as a JSON list, e.g. '[{\"kind\": \"integrity\"}]'")
+    conformance.add_argument("--layers", help="layer specs, innermost first, as a JSON list, e.g. '[{\"kind\": \"integrity\"}]'")
+    conformance.add_argument("--wrappers", dest="old_layers", help=argparse.SUPPRESS)  # the old name of --layers
     conformance.add_argument(
         "--report-dir", default="conformance-report", help="directory for <backend>.json and <backend>.md (default: %(default)s)"
     )
@@ -91,7 +92,8 @@ def build_parser() -> OneLineParser:
     )
     bench_io.add_argument("backend", help="registered name or package.module:Class")
     bench_io.add_argument("--config", help="backend config: a JSON object or @path (json, toml, yaml)")
-    bench_io.add_argument("--wrappers", help="wrapper specs as a JSON list (measured as part of the SDK path)")
+    bench_io.add_argument("--layers", help="layer specs as a JSON list (measured as part of the SDK path)")
+    bench_io.add_argument("--wrappers", dest="old_layers", help=argparse.SUPPRESS)  # the old name of --layers
     bench_io.add_argument("--page-sizes", default="64K,1M,4M", help="comma-separated page sizes (default: %(default)s)")
     bench_io.add_argument("--batch-sizes", default="1,16,64", help="comma-separated pages per call (default: %(default)s)")
     bench_io.add_argument("--bytes-per-case", default="64M", help="bytes moved per page size and batch (default: %(default)s)")
@@ -132,6 +134,19 @@ def _usable(option: str, parse: Callable[[str], T], text: str) -> T:
         raise UsageError(f"{option}: {exc}") from None
 
 
+def layer_option(args: argparse.Namespace) -> str | None:
+    """``--layers``, or ``--wrappers`` (its old name: one line on stderr says so); both is a usage error."""
+    if args.old_layers is None:
+        return args.layers  # type: ignore[no-any-return]
+    if args.layers is not None:
+        raise UsageError("--wrappers is the old name of --layers: give --layers only")
+    from hicache_storage.compat import renamed_message
+
+    print(f"hicache-storage: {renamed_message('--wrappers', '--layers')}", file=sys.stderr)
+    args.layers = args.old_layers
+    return args.layers  # type: ignore[no-any-return]
+
+
 def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
     from hicache_storage.spec import open_store, store_spec
@@ -139,8 +154,8 @@ def run_bench_io(args: argparse.Namespace) -> int:
     page_sizes = [_usable("bench-io --page-sizes", positive_size, s) for s in args.page_sizes.split(",")]
     batch_sizes = [_usable("bench-io --batch-sizes", positive_int, s) for s in args.batch_sizes.split(",")]
     bytes_per_case = _usable("bench-io --bytes-per-case", positive_size, args.bytes_per_case)
-    with open_store(store_spec(args.backend, args.config, args.wrappers)) as backend:
-        result = run_bench_io(backend, page_sizes=page_sizes, batch_sizes=batch_sizes, bytes_per_case=bytes_per_case)
+    with open_store(store_spec(args.backend, args.config, layer_option(args))) as store:
+        result = run_bench_io(store, page_sizes=page_sizes, batch_sizes=batch_sizes, bytes_per_case=bytes_per_case)
     print(render_markdown(result))
     print(f"written: {write_results(result, Path(args.out))}")
     return 0
@@ -150,7 +165,7 @@ def run_describe(args: argparse.Namespace) -> int:
     from hicache_storage.spec import open_store
 
     with open_store(args.spec) as store:
-        print(json.dumps(store.facade.describe(), indent=2))
+        print(json.dumps(store.describe(), indent=2))
     return 0
 
 
@@ -214,7 +229,7 @@ def run_conformance(args: argparse.Namespace) -> int:
 
     try:
         # One error here, before any clause runs, instead of the same error from every clause.
-        check_options(args.backend, args.config, args.wrappers)
+        check_options(args.backend, args.config, layer_option(args))
     except StorageError as exc:
         print(f"hicache-storage conformance: {one_line(str(exc))}", file=sys.stderr)
         return 2
@@ -229,8 +244,8 @@ def run_conformance(args: argparse.Namespace) -> int:
         pytest_args += ["--hicache-report", str(stem)]
         if args.config:
             pytest_args += ["--hicache-config", args.config]
-        if args.wrappers:
-            pytest_args += ["--hicache-wrappers", args.wrappers]
+        if args.layers:
+            pytest_args += ["--hicache-layers", args.layers]
         if args.quick:
             pytest_args += ["-m", "not slow"]
         if args.keyword:

@@ -1,4 +1,4 @@
-"""One error hierarchy for every connector and wrapper.
+"""One error hierarchy for every connector and layer.
 
 Everything a backend raises on purpose is a :class:`StorageError`. Each carries two separate
 things: its *kind*, the class, which says what failed (:class:`AuthenticationError`,
@@ -6,10 +6,10 @@ things: its *kind*, the class, which says what failed (:class:`AuthenticationErr
 whether trying again can help:
 
 * ``TEMPORARY``: the same call may succeed later (a dropped connection, a timeout, a throttled
-  request). The retry wrapper retries these, and only these; the HiCache core keeps calling.
+  request). The retry layer retries these, and only these; the HiCache core keeps calling.
 * ``PERMANENT``: retrying cannot help (bad credentials, bad input, a connector that breaks the
   contract). Fix the cause; the HiCache core stops calling the store and says so once.
-* ``PERSISTENT``: it was temporary, but a retry wrapper gave up on it; callers treat it as
+* ``PERSISTENT``: it was temporary, but a retry layer gave up on it; callers treat it as
   permanent for this call's purposes (it is not retried again further up).
 
 Every class has a default status (:class:`RetryableError` and its subclasses temporary,
@@ -118,7 +118,7 @@ class StorageTimeoutError(RetryableError):
     ``settled`` says when the inner call the caller gave up on has really returned. It is
     ``None`` when the caller's buffers are already safe to reuse: the call never started, it had
     no buffers, or the layer that timed out handed the store private copies. Otherwise (a
-    zero-copy timeout, see :mod:`hicache_storage.wrappers.timeout`) the store may still write
+    zero-copy timeout, see :mod:`hicache_storage.layers.timeout`) the store may still write
     into the read targets or read the write sources until ``settled`` is set, so the caller must
     leave those buffers untouched until then: wait on it, or use :meth:`when_settled`.
     """

@@ -29,7 +29,8 @@ atomic value: it is saved and restored with its source by construction, and a re
 buffers lack the draft segments gets a miss (a length mismatch), never half a page.
 
 :class:`MultiPoolStore` is thread-safe: it holds only immutable state over a
-:class:`~hicache_storage.backend.StorageBackend`, which is thread-safe by contract.
+:class:`~hicache_storage.store.Store`, which is thread-safe when its stack is (every connector
+is, by contract).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import BufferLike
+from hicache_storage.connector import Level
 from hicache_storage.errors import ErrorStatus, InvalidArgumentError, InvalidKeyError, StorageError
 from hicache_storage.keys import KeyScope, PageKey
+from hicache_storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +160,17 @@ class PoolCuts:
 
 
 class MultiPoolStore:
-    """One StorageBackend holding several pools under one KeyScope (``scope.part`` is replaced per pool).
+    """One store holding several pools under one KeyScope (``scope.part`` is replaced per pool).
 
-    Per-key results and errors are the backend's (see :mod:`hicache_storage.backend`), except in
+    Per-key results and errors are the store's (see :mod:`hicache_storage.connector`), except in
     :meth:`usable_pages`, which reports a store that fails with a retryable error as holding nothing.
     """
 
-    def __init__(self, backend: StorageBackend, scope: KeyScope, pools: Sequence[PoolSpec]) -> None:
-        if not isinstance(backend, StorageBackend):
-            raise InvalidArgumentError(f"backend must be a StorageBackend (see create_backend); got {type(backend).__name__}")
+    def __init__(self, store: Store | Level, scope: KeyScope, pools: Sequence[PoolSpec]) -> None:
+        if isinstance(store, Level):
+            store = store.facade  # transitional: callers move to passing their Store
+        if not isinstance(store, Store):
+            raise InvalidArgumentError(f"store must be a Store (see open_store); got {type(store).__name__}")
         if not isinstance(scope, KeyScope):
             raise InvalidArgumentError(f"scope must be a KeyScope; got {type(scope).__name__}")
         pools = list(pools)
@@ -188,7 +192,7 @@ class MultiPoolStore:
                 self._scopes[spec.name] = (spec.scope or scope).with_part(spec.name)
             except InvalidKeyError as exc:
                 raise InvalidArgumentError(f"pool name {spec.name!r} is not a valid key part: {exc.message}") from exc
-        self.backend = backend
+        self.store = store
         self.scope = scope
         self.pools: dict[str, PoolSpec] = {spec.name: spec for spec in pools}
 
@@ -264,7 +268,7 @@ class MultiPoolStore:
             if limit == held:
                 return PoolCuts(held, (), hits)
             asked = hashes[held:limit]
-            found = self._ask(spec, degrade, len(asked), lambda: self.backend.prefix_exists(self.keys(spec.name, asked)))
+            found = self._ask(spec, degrade, len(asked), lambda: self.store.prefix_exists(self.keys(spec.name, asked)))
             reach, limit = limit, held + (found or 0)
             if bound is None:
                 bound = reach = limit
@@ -279,7 +283,7 @@ class MultiPoolStore:
                 return PoolCuts(held, (), hits)
             first = max(0, held - spec.trailing_pages)
             asked = hashes[first:limit]
-            found = self._ask(spec, degrade, len(asked), lambda: self.backend.exists(self.keys(spec.name, asked)))
+            found = self._ask(spec, degrade, len(asked), lambda: self.store.exists(self.keys(spec.name, asked)))
             own = spec.accepted_cuts([False] * first + (found or [False] * len(asked)))
             if limit == bound:
                 hits[spec.name] = max(c for c in range(held, limit + 1) if c == held or own[c])
@@ -293,7 +297,7 @@ class MultiPoolStore:
         asked = hashes[max(0, cut - spec.trailing_pages) : cut]
         if not asked:
             return True
-        found = self._ask(spec, degrade, len(asked), lambda: self.backend.exists(self.keys(spec.name, asked)))
+        found = self._ask(spec, degrade, len(asked), lambda: self.store.exists(self.keys(spec.name, asked)))
         return found is not None and all(found)
 
     def _ask(self, spec: PoolSpec, degrade: bool, pages: int, query: Callable[[], T]) -> T | None:
@@ -310,15 +314,20 @@ class MultiPoolStore:
 
     def presence(self, page_hashes: Sequence[str]) -> dict[str, list[bool]]:
         """Every pool's per-page presence over all of ``page_hashes`` (no shortcuts; errors raise)."""
-        return {name: self.backend.exists(self.keys(name, page_hashes)) for name in self.pools}
+        return {name: self.store.exists(self.keys(name, page_hashes)) for name in self.pools}
 
     def put(self, pool: str, page_hashes: Sequence[str], buffers: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
-        """Store each page of ``pool`` from its buffer(s) (``StorageBackend.put_from``, per key)."""
-        return self.backend.put_from(self.keys(pool, page_hashes), buffers)
+        """Store each page of ``pool`` from its buffer(s) (``Store.put_from``, per key)."""
+        return self.store.put_from(self.keys(pool, page_hashes), buffers)
 
     def get_into(self, pool: str, page_hashes: Sequence[str], buffers: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
-        """Read each page of ``pool`` into its buffer(s) (``StorageBackend.get_into``, per key)."""
-        return self.backend.get_into(self.keys(pool, page_hashes), buffers)
+        """Read each page of ``pool`` into its buffer(s) (``Store.get_into``, per key)."""
+        return self.store.get_into(self.keys(pool, page_hashes), buffers)
+
+    @property
+    def backend(self) -> Store:
+        """Transitional: the old name of :attr:`store`."""
+        return self.store
 
     def _by_policy(self, policy: HitPolicy) -> list[PoolSpec]:
         return [spec for spec in self.pools.values() if spec.hit_policy is policy]
@@ -328,4 +337,4 @@ class MultiPoolStore:
             spec.name if spec.hit_policy is HitPolicy.ALL_PAGES else f"{spec.name}[last {spec.trailing_pages}]"
             for spec in self.pools.values()
         ]
-        return f"<MultiPoolStore {self.backend.name!r} pools={pools}>"
+        return f"<MultiPoolStore {self.store.name!r} pools={pools}>"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
+from hicache_storage.connector import Connector
 from hicache_storage.errors import ConfigError, MissingDependencyError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "hicache_storage.backends"
@@ -79,8 +79,8 @@ def known_specs() -> dict[str, BackendSpec]:
     return specs
 
 
-def resolve(name: str) -> type[StorageBackend]:
-    """The backend class for a registered name or a ``package.module:ClassName`` path."""
+def resolve(name: str) -> type[Connector]:
+    """The connector class for a registered name or a ``package.module:ClassName`` path."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a backend name must be a non-empty string, got {name!r}", field="backend")
     specs = known_specs()
@@ -92,7 +92,7 @@ def resolve(name: str) -> type[StorageBackend]:
     return load(spec)
 
 
-def load(spec: BackendSpec) -> type[StorageBackend]:
+def load(spec: BackendSpec) -> type[Connector]:
     missing = spec.missing()
     if missing:
         raise MissingDependencyError(spec.name, missing[0], spec.extra)
@@ -109,16 +109,19 @@ def load(spec: BackendSpec) -> type[StorageBackend]:
         cls = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"module {module_name!r} has no attribute {attr!r} (backend {spec.name!r})", field="backend") from None
-    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
+    if not (isinstance(cls, type) and issubclass(cls, Connector)):
         raise ConfigError(
-            f"{spec.target!r} is not a StorageBackend subclass; connectors subclass hicache_storage.StorageBackend",
+            f"{spec.target!r} is not a Connector subclass; connectors subclass hicache_storage.Connector",
             field="backend",
         )
     return cls
 
 
-def create_backend(name: str, config: BackendConfig | Mapping[str, Any] | str | None = None) -> StorageBackend:
-    """Build a backend by name with its config (a mapping, a JSON string or ``@path``)."""
+def create_backend(name: str, config: BackendConfig | Mapping[str, Any] | str | None = None) -> Connector:
+    """Build a connector by name with its config (a mapping, a JSON string or ``@path``).
+
+    The connector alone, to put layers over by hand; callers hold a store
+    (:func:`~hicache_storage.spec.open_store`, or ``Store(connector)``)."""
     return resolve(name)(config)
 
 

@@ -1,4 +1,4 @@
-"""Any SGLang ``HiCacheStorage`` backend as a hicache-storage ``StorageBackend``, to judge it.
+"""Any SGLang ``HiCacheStorage`` backend as a hicache-storage connector, to judge it.
 
 :func:`sglang_backend_class` makes the class for SGLang's backend ``NAME`` (as registered in
 SGLang's ``StorageBackendFactory``: ``file``, ``mooncake``, ...), named ``sglang:NAME``. Those
@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -55,7 +55,7 @@ class SGLangBackendConfig(BackendConfig):
     model_name: str = pydantic.Field("hicache-storage", min_length=1, description="the model name SGLang's backend is given")
 
 
-class SGLangStorageBackend(StorageBackend):
+class SGLangConnector(Connector):
     """Base of the ``sglang:NAME`` classes made by :func:`sglang_backend_class`."""
 
     Config = SGLangBackendConfig
@@ -167,18 +167,18 @@ def _target_tensor(target: Segments) -> Any:
 
 
 @cache
-def sglang_backend_class(sglang_name: str) -> type[SGLangStorageBackend]:
-    """The StorageBackend class for SGLang's backend ``sglang_name``, named ``sglang:NAME``."""
+def sglang_backend_class(sglang_name: str) -> type[SGLangConnector]:
+    """The connector class for SGLang's backend ``sglang_name``, named ``sglang:NAME``."""
     if not sglang_name:
         raise ConfigError("name an SGLang backend after the prefix, e.g. 'sglang:file'", field="backend")
     if importlib.util.find_spec("sglang") is None:
         raise MissingDependencyError(PREFIX + sglang_name, "sglang", None)
     return type(
         f"SGLang{sglang_name.title().replace('_', '')}Backend",
-        (SGLangStorageBackend,),
+        (SGLangConnector,),
         {
             "__module__": __name__,
-            "__doc__": f"SGLang's {sglang_name!r} HiCache storage backend, judged as a StorageBackend.",
+            "__doc__": f"SGLang's {sglang_name!r} HiCache storage backend, judged as a connector.",
             "name": PREFIX + sglang_name,
             "sglang_name": sglang_name,
             "capabilities": KNOWN_CAPABILITIES.get(sglang_name, Capabilities()),

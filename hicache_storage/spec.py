@@ -16,7 +16,7 @@ is, unless its capabilities say ``bounded_calls`` (a connector whose client has 
 timeouts of its own, or a timeout among ``layers``). A layer that can stall a call (fault
 injection) clears ``bounded_calls``, so the timeout comes back.
 
-The stack builder (:func:`~hicache_storage.wrappers.stack_layers`) refuses an unsafe order: with a **zero-copy** timeout,
+The stack builder (:func:`~hicache_storage.layers.stack_layers`) refuses an unsafe order: with a **zero-copy** timeout,
 the store may still use the caller's buffers after the caller was told the call timed out, and a
 retry or integrity layer above it would reuse those buffers at once (retrying into them, or
 returning its trailer slots). Such a stack is a :class:`~hicache_storage.errors.ConfigError`
@@ -31,12 +31,12 @@ from typing import Any
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.config import BackendConfig, load_config_source
 from hicache_storage.errors import ConfigError
+from hicache_storage.layers import LayerSpecs, load_layer_specs, stack_layers
+from hicache_storage.layers.timeout import TimeoutConfig
 from hicache_storage.registry import resolve
-from hicache_storage.wrappers import WrapperSpecs, load_wrapper_specs, stack_layers
-from hicache_storage.wrappers.timeout import TimeoutConfig
+from hicache_storage.store import Store
 
 
 class StoreSpec(BackendConfig):
@@ -59,7 +59,7 @@ class StoreSpec(BackendConfig):
 
     def public_dict(self) -> dict[str, Any]:
         """The spec as plain data, the connector's config left out: only the connector's own config
-        class knows which of its fields are secrets (an open store's ``facade.describe()`` shows it
+        class knows which of its fields are secrets (an open store's ``describe()`` shows it
         masked)."""
         return {**super().public_dict(), "config": "<see the connector's config>"}
 
@@ -71,23 +71,23 @@ class StoreSpec(BackendConfig):
     @pydantic.field_validator("layers", mode="before")
     @classmethod
     def _read_layers(cls, value: Any) -> Any:
-        return load_wrapper_specs(value) if isinstance(value, (str, Path)) or value is None else value
+        return load_layer_specs(value) if isinstance(value, (str, Path)) or value is None else value
 
 
 def store_spec(
     backend: str,
     config: Mapping[str, Any] | str | Path | None = None,
-    layers: WrapperSpecs = None,
+    layers: LayerSpecs = None,
     **fields: Any,
 ) -> StoreSpec:
     """A :class:`StoreSpec` from its parts, each in any form the spec accepts (mapping, JSON, ``@path``)."""
     return StoreSpec.parse({"backend": backend, "config": config, "layers": layers, **fields}, backend="store spec")
 
 
-def open_store(spec: StoreSpec | Mapping[str, Any] | str | Path) -> StorageBackend:
+def open_store(spec: StoreSpec | Mapping[str, Any] | str | Path) -> Store:
     """Open the connector ``spec`` names with its config, set its capability overrides, and put it
-    under its layers (:func:`stack_layers`); returns the top of the stack, whose caller API is its
-    store facade. On any error nothing stays open."""
+    under its layers (:func:`~hicache_storage.layers.stack_layers`); returns the
+    :class:`~hicache_storage.store.Store` over that stack. On any error nothing stays open."""
     spec = StoreSpec.parse(spec, backend="store spec")
     connector = resolve(spec.backend)(spec.config)
     try:
@@ -96,7 +96,7 @@ def open_store(spec: StoreSpec | Mapping[str, Any] | str | Path) -> StorageBacke
                 connector.capabilities = connector.capabilities.replace(**spec.capability_overrides)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"capability_overrides: {exc}", field="capability_overrides", backend=spec.backend) from None
-        return stack_layers(connector, spec.layers, default_timeout=spec.default_timeout)
+        return Store(stack_layers(connector, spec.layers, default_timeout=spec.default_timeout))
     except BaseException:
         connector.close()
         raise

@@ -1,7 +1,8 @@
-"""The store facade: the caller's API over a stack of layers and a connector.
+"""The store: the caller's API over a stack of layers and a connector.
 
-A :class:`Store` is what callers use (the HiCache core, the SGLang adapter, the benchmark, the
-conformance suite). It owns everything that is the same for every connector:
+A :class:`Store` is what every caller holds (the HiCache core, the engine adapters, the
+benchmark, the conformance suite), and what :func:`~hicache_storage.spec.open_store` returns. It
+owns everything that is the same for every connector:
 
 * **validation**: keys are :class:`~hicache_storage.keys.PageKey`, one buffer per key, the store
   is open, the operation is declared (``UnsupportedOperationError`` otherwise), pages are within
@@ -13,44 +14,37 @@ conformance suite). It owns everything that is the same for every connector:
 * **empty batches**: answered here, after validation (``[]``, or ``0`` from ``prefix_exists``);
   no level of the stack ever sees a call with no keys, so a connector need not handle one;
 * **result checking**: one ``bool`` per key from every level of the stack
-  (:func:`check_results`, applied by each level's public hooks, see
-  :mod:`hicache_storage.backend`), else ``BackendContractError``;
+  (:func:`~hicache_storage.connector.check_results`, applied by each level's public hooks), else
+  ``BackendContractError``;
 * **statistics**: one :class:`~hicache_storage.counters.OperationCounters` of the calls its
-  callers made, and the events every level of the stack counted (:meth:`Store.stats`).
+  callers made, and the events every level of the stack counted (:meth:`Store.stats`);
+* **description**: :meth:`Store.describe`, the stack as plain data.
 
-The stack below it is reached only through the layer interface every level offers (the public
-``hook_*`` methods, ``capabilities``, ``event_counts()``, ``close()``; see
-:mod:`hicache_storage.backend`). Capabilities are read from the top of the stack on every call,
+The stack below it is reached only through the level interface every connector and layer offers
+(the public ``hook_*`` methods, ``capabilities``, ``event_counts()``, ``close()``; see
+:mod:`hicache_storage.connector`). Capabilities are read from the top of the stack on every call,
 so a connector that refines its capabilities after opening (Redis at connect, 3FS after its
 first put) is seen at once, through every layer.
-
-Every :class:`~hicache_storage.backend.StorageBackend` (a connector or a layer) has a facade over
-itself as ``backend.facade``, and its caller methods (``exists``, ``get_into``...) are that
-facade's: a connector used directly is a store with no layers. :func:`~hicache_storage.spec.open_store`
-opens a connector with its layers from one spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hicache_storage.batching import write_last_positions
 from hicache_storage.buffers import BufferLike, Segments, as_segments, as_view, segments_size
 from hicache_storage.capabilities import Capabilities
+from hicache_storage.connector import Level
 from hicache_storage.counters import OperationCounters, sum_events
 from hicache_storage.errors import (
     BackendClosedError,
-    BackendContractError,
     InvalidArgumentError,
     InvalidKeyError,
     UnsupportedOperationError,
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
-
-if TYPE_CHECKING:
-    from hicache_storage.backend import StorageBackend
 
 #: What a facade counts, by operation.
 COUNTED = ("exists", "get", "put", "delete", "clear", "register_buffer")
@@ -73,9 +67,20 @@ STAT_FIELDS = {
 
 
 class Store:
-    """The caller's API over ``top``, the outermost level of a stack. Thread-safe when the stack is."""
+    """The caller's API over ``top``, the outermost level of a stack. Thread-safe when the stack is.
 
-    def __init__(self, top: StorageBackend) -> None:
+    :func:`~hicache_storage.spec.open_store` opens one from a spec; ``Store(level)`` holds one
+    over a connector or layer built by hand. Closing the store closes the stack.
+    """
+
+    def __init__(self, top: Level) -> None:
+        if isinstance(top, Store):
+            raise InvalidArgumentError("Store() takes a connector or a layer; this is already a store", backend=top.name)
+        if not isinstance(top, Level):
+            raise InvalidArgumentError(
+                f"Store() takes a connector or a layer (a hicache_storage Level), got {type(top).__name__}",
+                backend=getattr(top, "name", type(top).__name__),
+            )
         self.top = top
         self.counters = OperationCounters(COUNTED)
 
@@ -94,12 +99,9 @@ class Store:
     def closed(self) -> bool:
         return self.top.closed
 
-    def levels(self) -> list[StorageBackend]:
+    def levels(self) -> list[Level]:
         """Every level of the stack, the outermost layer first and the connector last."""
-        chain = [self.top]
-        while (below := chain[-1].inner) is not None:
-            chain.append(below)
-        return chain
+        return self.top.levels()
 
     def describe(self) -> dict[str, Any]:
         """This stack as plain data (JSON-serializable), read now: its capabilities, and each level,
@@ -218,6 +220,12 @@ class Store:
         """Close the stack (the top closes what is below it). Idempotent; later calls raise ``BackendClosedError``."""
         self.top.close()
 
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # --- internals ----------------------------------------------------------------------------
 
     def _check_open(self, operation: str) -> None:
@@ -303,25 +311,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<Store {self.name!r} levels={len(self.levels())}>"
-
-
-def check_results(name: str, operation: str, keys: list[PageKey], results: Any) -> list[bool]:
-    """``results`` if it is a list of one ``bool`` per key; else ``BackendContractError`` naming ``name``."""
-    if not isinstance(results, list) or len(results) != len(keys):
-        count = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
-        raise BackendContractError(
-            f"{operation} returned {count} results for {len(keys)} keys; a connector must return a list with one bool per key",
-            backend=name,
-            operation=operation,
-        )
-    for result in results:
-        if result is not True and result is not False:
-            raise BackendContractError(
-                f"{operation} returned a {type(result).__name__}; results must be True or False",
-                backend=name,
-                operation=operation,
-            )
-    return results
 
 
 def _bytes_moved(views: list[Segments]) -> Any:

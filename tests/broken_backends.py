@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import pydantic
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -805,7 +805,7 @@ class _SegmentConfig(BackendConfig):
 
 
 @mutant("processes", quick=False)
-class SegmentLeavesWithWriter(StorageBackend):
+class SegmentLeavesWithWriter(Connector):
     """Each client keeps its pages in its own segment (a directory per process) that every client reads;
     the segment is removed when its client closes, though the store declares pages outlive their writer."""
 

@@ -19,19 +19,19 @@ from typing import Any
 
 import pytest
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace
 
 #: A namespace no clause writes: the warm-up read of a new store misses in it.
 WARM_UP = KeyScope(Namespace(model=f"reused-store-warm-up-{uuid.uuid4().hex[:12]}", kv_dtype="bfloat16", page_size=64))
 
 
-def _state(store: StorageBackend) -> list[tuple[Any, ...]]:
+def _state(store: Store) -> list[tuple[Any, ...]]:
     """What a clause could change on a store and leave changed for the next one: per level of the
     stack, its attribute names, which callables (hooks) and capabilities it holds, and the memory
     ranges it has registered (a Mooncake connector keeps them in ``_registered``)."""
     state = []
-    for level in store.facade.levels():
+    for level in store.levels():
         attributes = vars(level)
         bound = tuple(sorted((name, id(value)) for name, value in attributes.items() if callable(value)))
         registered = attributes.get("_registered")
@@ -43,9 +43,9 @@ class ReusedStore:
     """Mix into a ``ConformanceTests`` subclass (before it) to keep ``store`` open across clauses."""
 
     @pytest.fixture(scope="class")
-    def idle_store(self) -> Iterator[list[StorageBackend]]:
+    def idle_store(self) -> Iterator[list[Store]]:
         """At most one open store that a passing clause left untouched; closed with the class."""
-        idle: list[StorageBackend] = []
+        idle: list[Store] = []
         yield idle
         for store in idle:
             store.close()
@@ -54,15 +54,15 @@ class ReusedStore:
     def store(
         self,
         request: pytest.FixtureRequest,
-        idle_store: list[StorageBackend],
+        idle_store: list[Store],
         backend_name: str,
         backend_config: dict[str, Any],
-        backend_wrappers: list[dict[str, Any]] | None,
-    ) -> Iterator[StorageBackend]:
+        backend_layers: list[dict[str, Any]] | None,
+    ) -> Iterator[Store]:
         if idle_store:
             store = idle_store.pop()
         else:
-            store = self.make_backend(backend_name, backend_config, backend_wrappers)  # type: ignore[attr-defined]
+            store = self.make_backend(backend_name, backend_config, backend_layers)  # type: ignore[attr-defined]
             # What a stack sets up lazily is set up now, before the baseline: integrity registers
             # its own trailer arena on the first read (memory that lives as long as the stack).
             assert store.get([WARM_UP.key("0" * 64)], 1) == [None]

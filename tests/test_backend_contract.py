@@ -1,4 +1,4 @@
-"""What the StorageBackend base class guarantees to callers, whatever the connector does."""
+"""What the Connector base class and the store over it guarantee to callers, whatever the connector does."""
 
 import ctypes
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_storage import Capabilities, KeyScope, Namespace, RawBuffer, StorageBackend
+from hicache_storage import Capabilities, KeyScope, Namespace, RawBuffer, Connector
 from hicache_storage.buffers import as_segments
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
@@ -39,7 +39,7 @@ class Recording(MemoryBackend):
         return super()._exists(keys)
 
 
-class ExistsOnly(StorageBackend):
+class ExistsOnly(Connector):
     name = "exists-only"
 
     def _exists(self, keys):
@@ -248,10 +248,10 @@ class RefusesEmptyCalls(MemoryBackend):
 @pytest.mark.parametrize("layers", [None, [{"kind": "integrity"}, {"kind": "retry"}, {"kind": "metrics"}, {"kind": "timeout", "seconds": 5}]])
 def test_empty_batches_are_answered_by_the_facade(layers):
     """An empty batch never reaches any level of the stack, and still counts as the caller's call."""
-    from hicache_storage.wrappers import wrap
+    from hicache_storage.layers import stack_layers
 
     connector = RefusesEmptyCalls()
-    store = wrap(connector, layers)
+    store = stack_layers(connector, layers)
     assert store.exists([]) == []
     assert store.prefix_exists([]) == 0
     assert store.get_into([], []) == []

@@ -56,12 +56,12 @@ BAD_INPUTS = [
     (["bench-io", "memory", "--page-sizes", "12Q"], "bench-io --page-sizes: not a size: '12Q'"),
     (["bench-io", "memory", "--bytes-per-case", "lots"], "bench-io --bytes-per-case: not a size: 'lots'"),
     (["bench-io", "no-such-store"], "unknown storage backend 'no-such-store'"),
-    (["bench-io", "memory", "--wrappers", '[{"kind": "compress"}]'], "unknown kind 'compress'"),
+    (["bench-io", "memory", "--layers", '[{"kind": "compress"}]'], "unknown kind 'compress'"),
     # describe and conformance
     (["describe", '{"backend": "memory", "config": '], "not valid JSON"),
     (["describe", "@{tmp}/absent.yaml"], "cannot read config file"),
     (["conformance", "no-such-store"], "unknown storage backend 'no-such-store'"),
-    (["conformance", "memory", "--wrappers", "not-json"], "wrapper specs are not valid JSON"),
+    (["conformance", "memory", "--layers", "not-json"], "layer specs are not valid JSON"),
 ]
 
 

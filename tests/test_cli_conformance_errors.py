@@ -91,8 +91,8 @@ def test_root_that_is_not_writable(tmp_path: Path) -> None:
     assert_one_clear_error(result, tmp_path, "root must be a directory this process can write")
 
 
-def test_bad_wrapper_spec(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "memory", "--wrappers", '[{"kind": "retyr"}]')
+def test_bad_layer_spec(tmp_path: Path) -> None:
+    result = run_conformance(tmp_path, "memory", "--layers", '[{"kind": "retyr"}]')
     assert_one_clear_error(result, tmp_path, "unknown kind 'retyr'", "valid kinds: ")
 
 

@@ -10,7 +10,7 @@ import pytest
 from hicache_storage import errors
 from hicache_storage.connectors._redis_errors import reply_status
 from hicache_storage.errors import ErrorStatus, PermanentError, RetryableError, StorageError
-from hicache_storage.wrappers.faults import ERROR_KINDS
+from hicache_storage.layers.faults import ERROR_KINDS
 
 
 def concrete_errors() -> list[type[StorageError]]:

@@ -46,12 +46,12 @@ from connector_matrix import connector_config
 from hicache_core import CacheTiers, Engine, EngineConfig, RequestResult, make_conversations
 from hicache_core.soak import serve_rounds, tiny_engine_config
 from hicache_storage import KeyScope, Namespace, create_backend
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Level
 from hicache_storage.keys import PageKey
-from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
-from hicache_storage.wrappers.base import BackendWrapper
+from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer
+from hicache_storage.layers.base import Layer
 from hicache_storage.errors import ErrorStatus, StorageError
-from hicache_storage.wrappers.faults import ERROR_KINDS
+from hicache_storage.layers.faults import ERROR_KINDS
 
 WARM = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
 #: One fresh conversation writes new pages during the fault; each more costs every scenario a
@@ -68,7 +68,7 @@ STORAGE_TIMEOUT_S_BY_CONNECTOR = {"s3": 2.0}
 def latency_bound(timeout_s: float) -> float:
     """A request waits at most for the prefetches queued ahead of it (one per request of its round,
     each an exists and one read call) and, once, a refetch; each call is bounded by the timeout
-    wrapper at twice its timeout (waiting for a worker, then for the call). Doubled again, plus
+    layer at twice its timeout (waiting for a worker, then for the call). Doubled again, plus
     compute slack on a loaded 2-core machine: generous on purpose."""
     return 2 * (len(WORKLOAD) * 2 * 2 * timeout_s) + 30.0
 
@@ -134,10 +134,10 @@ class Figures:
                 f.write(json.dumps(asdict(self)) + "\n")
 
 
-def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, list[RequestResult]],
+def run_scenario(figures: Figures, storage: Level, baseline: dict[str, list[RequestResult]],
                  inject: Callable[[], None], clear: Callable[[], None],
                  notes: Callable[[], str] | None = None,
-                 reopen: Callable[[], StorageBackend] | None = None) -> Engine:
+                 reopen: Callable[[], Level] | None = None) -> Engine:
     """The three phases (see the module docstring); ``notes`` adds details to the report;
     ``reopen`` (for permanent faults) gives the fixed store attached in place of the given-up one.
     Returns the engine (closed), for its counters."""
@@ -172,7 +172,7 @@ def run_scenario(figures: Figures, storage: StorageBackend, baseline: dict[str, 
 
 def _run_phases(figures: Figures, engine: Engine, baseline: dict[str, list[RequestResult]],
                 inject: Callable[[], None], clear: Callable[[], None],
-                reopen: Callable[[], StorageBackend] | None) -> None:
+                reopen: Callable[[], Level] | None) -> None:
     with engine:
         warm = serve(engine, WARM, "warm")
         assert wrong_outputs(baseline["warm"], warm) == (0, 0), "healthy warm-up differs from recompute"
@@ -342,7 +342,7 @@ def corrupt_files(root: Path) -> int:
 
 def test_corrupted_files_with_integrity_are_misses(tmp_path, baseline):
     root = tmp_path / "kv"
-    integrity = IntegrityWrapper(create_backend("file", {"root": str(root)}))
+    integrity = IntegrityLayer(create_backend("file", {"root": str(root)}))
     corrupted: list[int] = []
     figures = Figures("stored bytes corrupted behind the SDK (integrity on)", "file")
     run_scenario(figures, integrity, baseline, lambda: corrupted.append(corrupt_files(root)), lambda: None,
@@ -351,11 +351,11 @@ def test_corrupted_files_with_integrity_are_misses(tmp_path, baseline):
     assert integrity_misses(integrity) > 0, "corrupted pages were read but integrity saw nothing"
 
 
-def integrity_misses(integrity: IntegrityWrapper) -> int:
+def integrity_misses(integrity: IntegrityLayer) -> int:
     return sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
 
 
-def corruption_notes(corrupted: list[int], integrity: IntegrityWrapper) -> str:
+def corruption_notes(corrupted: list[int], integrity: IntegrityLayer) -> str:
     return f"{corrupted[0]} stored pages corrupted; {integrity_misses(integrity)} integrity misses"
 
 
@@ -384,7 +384,7 @@ def _raw_redis(url: str):  # type: ignore[no-untyped-def]
 @pytest.mark.services
 def test_corrupted_redis_values_with_integrity_are_misses(request, tmp_path, baseline):
     name, config = connector_config(request, "redis", tmp_path)
-    integrity = IntegrityWrapper(create_backend(name, config))
+    integrity = IntegrityLayer(create_backend(name, config))
     client = _raw_redis(config["url"])
     corrupted: list[int] = []
 
@@ -406,7 +406,7 @@ def test_corrupted_redis_values_with_integrity_are_misses(request, tmp_path, bas
 @pytest.mark.services
 def test_corrupted_s3_objects_with_integrity_are_misses(request, tmp_path, baseline):
     name, config = connector_config(request, "s3", tmp_path)
-    integrity = IntegrityWrapper(create_backend(name, config))
+    integrity = IntegrityLayer(create_backend(name, config))
     client = request.getfixturevalue("seaweedfs").client()
     corrupted: list[int] = []
 
@@ -425,12 +425,12 @@ def test_corrupted_s3_objects_with_integrity_are_misses(request, tmp_path, basel
     assert integrity_misses(integrity) > 0
 
 
-class RecordPuts(BackendWrapper):
+class RecordPuts(Layer):
     """Remembers the keys stored through it, for a test to find them in a store it cannot list."""
 
     kind = "record-puts"
 
-    def __init__(self, inner: StorageBackend) -> None:
+    def __init__(self, inner: Level) -> None:
         super().__init__(inner)
         self.stored: list[PageKey] = []
 
@@ -447,7 +447,7 @@ def test_corrupted_mooncake_objects_with_integrity_are_misses(request, tmp_path,
     name, config = connector_config(request, "mooncake", tmp_path)
     connector = create_backend(name, config)
     recorder = RecordPuts(connector)
-    integrity = IntegrityWrapper(recorder)
+    integrity = IntegrityLayer(recorder)
     corrupted: list[int] = []
 
     def corrupt() -> None:
@@ -553,12 +553,12 @@ def test_engine_killed_while_writing_then_served_from_its_pages(tmp_path, baseli
     assert figures.storage_hit_tokens_after > 0, "the dead engine's published pages were not used"
 
 
-# --- faults the store cannot be made to show on demand: the fault wrapper over the real store --
+# --- faults the store cannot be made to show on demand: the fault layer over the real store --
 
 
-def paused_faults(storage: StorageBackend, faults: dict[str, Any]) -> FaultInjectionWrapper:
-    """The fault wrapper over ``storage``, paused: the scenario's inject resumes it, clear pauses it."""
-    return FaultInjectionWrapper(storage, {"seed": 1, "enabled": False, **faults})
+def paused_faults(storage: Level, faults: dict[str, Any]) -> FaultInjectionLayer:
+    """The fault layer over ``storage``, paused: the scenario's inject resumes it, clear pauses it."""
+    return FaultInjectionLayer(storage, {"seed": 1, "enabled": False, **faults})
 
 
 @pytest.mark.services
@@ -596,17 +596,17 @@ def test_backend_returning_wrong_result_counts(request, tmp_path, baseline, capl
     assert "BackendContractError" in line
 
 
-class RoundRobin(BackendWrapper):
+class RoundRobin(Layer):
     """Sends call n (of any operation) to ``targets[n % len(targets)]``: every target gets its turn."""
 
     kind = "round-robin"
 
-    def __init__(self, inner: StorageBackend, targets: list[StorageBackend]) -> None:
+    def __init__(self, inner: Level, targets: list[Level]) -> None:
         super().__init__(inner)
         self.targets = targets
         self._next = itertools.count()
 
-    def _target(self) -> StorageBackend:
+    def _target(self) -> Level:
         return self.targets[next(self._next) % len(self.targets)]
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
@@ -639,12 +639,12 @@ def test_every_error_kind(tmp_path, baseline):
     }
 
     def inject() -> None:
-        for wrapper in erring.values():
-            wrapper.resume()
+        for layer in erring.values():
+            layer.resume()
 
     def clear() -> None:
-        for wrapper in erring.values():
-            wrapper.pause()
+        for layer in erring.values():
+            layer.pause()
 
     store = RoundRobin(inner, list(erring.values()))
     figures = Figures("every error kind raised, in turn, by every call", "file")

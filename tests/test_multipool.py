@@ -158,7 +158,7 @@ def test_store_validation_names_the_fix(backend: MemoryBackend, scope: KeyScope,
 
 
 def test_store_refuses_what_is_not_a_backend_or_scope(backend: MemoryBackend, scope: KeyScope) -> None:
-    with pytest.raises(InvalidArgumentError, match="StorageBackend"):
+    with pytest.raises(InvalidArgumentError, match="must be a Store"):
         MultiPoolStore({}, scope, [KV])  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="KeyScope"):
         MultiPoolStore(backend, "scope", [KV])  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ def test_module_class_path():
     "target, match",
     [
         ("hicache_storage.connectors.memory:Nope", "has no attribute 'Nope'"),
-        ("hicache_storage.keys:Namespace", "not a StorageBackend subclass"),
+        ("hicache_storage.keys:Namespace", "not a Connector subclass"),
         ("no_such_module_xyz:Backend", "cannot import 'no_such_module_xyz'"),
     ],
 )

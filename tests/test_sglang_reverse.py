@@ -19,7 +19,7 @@ from hicache_storage.conformance import ConformanceTests
 from hicache_storage.errors import ConfigError, StorageError
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.registry import create_backend, resolve
-from hicache_storage.sglang_reverse import SGLangStorageBackend, sglang_backend_class
+from hicache_storage.sglang_reverse import SGLangConnector, sglang_backend_class
 
 SGLANG_FILE = "sglang:file"  # a registered name
 
@@ -90,7 +90,7 @@ def test_sglang_exceptions_become_storage_errors(tmp_path: Path) -> None:
 
 def test_backend_classes_are_named_for_sglangs_registry() -> None:
     cls = sglang_backend_class("file")
-    assert cls is sglang_backend_class("file") and issubclass(cls, SGLangStorageBackend)
+    assert cls is sglang_backend_class("file") and issubclass(cls, SGLangConnector)
     assert (cls.name, cls.sglang_name) == ("sglang:file", "file")
     assert cls.capabilities.persistent and not cls.capabilities.delete and not cls.capabilities.clear
     with pytest.raises(ConfigError, match="sglang:file"):

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.bench.raw import RawClient, dd_direct, make_raw
 from hicache_storage.bench.stats import human_bytes, markdown_table, percentile
+from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace
 
 DEFAULT_PAGE_SIZES = (64 * 2**10, 2**20, 4 * 2**20)
@@ -89,7 +89,7 @@ def _measure(
 
 
 def run_bench_io(
-    backend: StorageBackend,
+    backend: Store,
     *,
     page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
@@ -152,7 +152,7 @@ def run_bench_io(
     }
 
 
-def _compare_layouts(backend: StorageBackend, scope: KeyScope, *, layers: int, page_size: int, bytes_total: int) -> list[LayoutMeasurement]:
+def _compare_layouts(backend: Store, scope: KeyScope, *, layers: int, page_size: int, bytes_total: int) -> list[LayoutMeasurement]:
     """The same pages from a page-first and a layer-first host arena: 2 vs 2 x layers segments."""
     pages = max(8, bytes_total // page_size)
     piece = page_size // (2 * layers)

@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Connector
+from hicache_storage.layers import connector_of
+from hicache_storage.store import Store
 
 
 class RawClient(Protocol):
@@ -74,7 +76,7 @@ class RedisRaw:
 
     label = "redis-py pipeline"
 
-    def __init__(self, backend: StorageBackend) -> None:
+    def __init__(self, backend: Connector) -> None:
         import redis
 
         config = backend.config
@@ -109,7 +111,7 @@ class S3Raw:
 
     label = "boto3"
 
-    def __init__(self, backend: StorageBackend) -> None:
+    def __init__(self, backend: Connector) -> None:
         import boto3
         from botocore.config import Config
 
@@ -148,7 +150,7 @@ class MooncakeRaw:
 
     label = "mooncake batch_*_from/into"
 
-    def __init__(self, backend: StorageBackend) -> None:
+    def __init__(self, backend: Connector) -> None:
         self.store = backend._store  # the connector's client: one setup, one registration table
 
     @staticmethod
@@ -193,8 +195,9 @@ class MemoryRaw:
         self.pages.clear()
 
 
-def make_raw(backend: StorageBackend) -> RawClient | None:
-    """The raw baseline for ``backend``'s connector, or ``None`` if there is none."""
+def make_raw(store: Store) -> RawClient | None:
+    """The raw baseline for the connector of ``store``, or ``None`` if there is none."""
+    backend = connector_of(store)
     name = backend.name
     if name == "file":
         return FileRaw(backend.config.io_threads)

@@ -7,8 +7,8 @@ import pytest
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import BackendClosedError, BackendContractError, ConfigError, StorageError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import FaultInjectionWrapper, MetricsWrapper, find_wrapper
-from hicache_storage.wrappers.faults import ERROR_KINDS
+from hicache_storage.layers import FaultInjectionLayer, MetricsLayer, find_layer
+from hicache_storage.layers.faults import ERROR_KINDS
 
 SCOPE = KeyScope(Namespace(model="faults-tests", kv_dtype="bfloat16", page_size=16))
 SIZE = 256
@@ -30,7 +30,7 @@ MIXED = {
 
 
 def run_workload(seed: int) -> tuple[list, list]:
-    store = FaultInjectionWrapper(MemoryBackend(), {"seed": seed, **MIXED})
+    store = FaultInjectionLayer(MemoryBackend(), {"seed": seed, **MIXED})
     outcomes = []
     for step in range(30):
         batch = keys(8)[step % 4 : step % 4 + 4]
@@ -58,7 +58,7 @@ def test_another_seed_gives_other_faults():
 
 @pytest.mark.parametrize("kind", sorted(ERROR_KINDS))
 def test_every_error_kind_can_be_raised(kind):
-    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"error_rate": 1.0, "errors": [kind]}})
+    store = FaultInjectionLayer(MemoryBackend(), {"get": {"error_rate": 1.0, "errors": [kind]}})
     with pytest.raises(ERROR_KINDS[kind]) as caught:
         store.get(keys(1), SIZE)
     assert "injected fault" in str(caught.value)
@@ -70,7 +70,7 @@ def test_every_error_kind_can_be_raised(kind):
 
 @pytest.mark.parametrize("op", ["exists", "get", "put", "delete"])
 def test_a_wrong_result_count_is_rejected_by_the_sdk(op):
-    store = FaultInjectionWrapper(MemoryBackend(), {op: {"wrong_count_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {op: {"wrong_count_rate": 1.0}})
     calls = {
         "exists": lambda s: s.exists(keys(3)),
         "get": lambda s: s.get(keys(3), SIZE),
@@ -79,13 +79,13 @@ def test_a_wrong_result_count_is_rejected_by_the_sdk(op):
     }
     with pytest.raises(BackendContractError, match="results for 3 keys"):
         calls[op](store)
-    # Also when another wrapper sits on top of the injector.
+    # Also when another layer sits on top of the injector.
     with pytest.raises(BackendContractError, match="results for 3 keys"):
-        calls[op](MetricsWrapper(store))
+        calls[op](MetricsLayer(store))
 
 
 def test_corruption_flips_bytes_of_a_hit():
-    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "corrupt_bytes": 3}})
+    store = FaultInjectionLayer(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "corrupt_bytes": 3}})
     store.put(keys(1), [page(7)])
     head, tail = bytearray(100), bytearray(SIZE - 100)
     assert store.get_into(keys(1), [[head, tail]]) == [True]  # a lying store: wrong data as a hit
@@ -95,7 +95,7 @@ def test_corruption_flips_bytes_of_a_hit():
 
 
 def test_a_short_read_leaves_the_rest_of_the_buffer_as_it_was():
-    store = FaultInjectionWrapper(MemoryBackend(), {"seed": 4, "get": {"short_read_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"seed": 4, "get": {"short_read_rate": 1.0}})
     store.put(keys(1), [page(3)])
     head, tail = bytearray(b"\xaa" * 50), bytearray(b"\xaa" * (SIZE - 50))
     assert store.get_into(keys(1), [[head, tail]]) == [True]
@@ -108,7 +108,7 @@ def test_a_short_read_leaves_the_rest_of_the_buffer_as_it_was():
 
 def test_a_corrupted_write_stores_flipped_bytes_and_leaves_the_callers_buffer_alone():
     memory = MemoryBackend()
-    store = FaultInjectionWrapper(memory, {"put": {"corrupt_rate": 1.0, "corrupt_bytes": 2}})
+    store = FaultInjectionLayer(memory, {"put": {"corrupt_rate": 1.0, "corrupt_bytes": 2}})
     source = bytearray(page(5))
     assert store.put_from(keys(1), [[source[:100], source[100:]]]) == [True]
     assert source == bytearray(page(5))
@@ -118,7 +118,7 @@ def test_a_corrupted_write_stores_flipped_bytes_and_leaves_the_callers_buffer_al
 
 def test_a_truncated_write_stores_a_prefix_and_reads_as_a_miss():
     memory = MemoryBackend()
-    store = FaultInjectionWrapper(memory, {"seed": 2, "put": {"truncate_write_rate": 1.0}})
+    store = FaultInjectionLayer(memory, {"seed": 2, "put": {"truncate_write_rate": 1.0}})
     assert store.put(keys(1), [page(6)]) == [True]
     (event,) = store.events
     kept = int(event.detail.split()[0])
@@ -128,12 +128,12 @@ def test_a_truncated_write_stores_a_prefix_and_reads_as_a_miss():
 
 @pytest.mark.parametrize("fault", ["corrupt_rate", "truncate_write_rate"])
 def test_damaged_writes_read_as_misses_through_integrity(fault):
-    from hicache_storage.wrappers import wrap
+    from hicache_storage.layers import stack_layers
 
-    store = wrap(MemoryBackend(), [{"kind": "faults", "seed": 8, "put": {fault: 0.5}}, {"kind": "integrity"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "faults", "seed": 8, "put": {fault: 0.5}}, {"kind": "integrity"}])
     pages = [page(i) for i in range(30)]
     store.put(keys(30), pages)
-    damaged = {e.page for e in find_wrapper(store, FaultInjectionWrapper).events}
+    damaged = {e.page for e in find_layer(store, FaultInjectionLayer).events}
     got = store.get(keys(30), SIZE)
     assert len(damaged) > 5
     assert {i for i, value in enumerate(got) if value is None} == damaged
@@ -141,14 +141,14 @@ def test_damaged_writes_read_as_misses_through_integrity(fault):
 
 
 def test_misses_are_left_alone_by_read_faults():
-    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "short_read_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"get": {"corrupt_rate": 1.0, "short_read_rate": 1.0}})
     target = bytearray(b"\x11" * SIZE)
     assert store.get_into(keys(1), [target]) == [False]
     assert target == bytearray(b"\x11" * SIZE) and store.events == []
 
 
 def test_hangs_last_until_released_and_then_block_again():
-    store = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
     results = []
     first = threading.Thread(target=lambda: results.append(store.exists(keys(1))))
     first.start()
@@ -175,13 +175,13 @@ def test_hangs_last_until_released_and_then_block_again():
 
 
 def test_a_hang_with_a_limit_ends_on_its_own():
-    store = FaultInjectionWrapper(MemoryBackend(), {"put": {"hang_rate": 1.0, "hang_seconds": 0.01}})
+    store = FaultInjectionLayer(MemoryBackend(), {"put": {"hang_rate": 1.0, "hang_seconds": 0.01}})
     assert store.put(keys(1), [page(1)]) == [True]
     assert [e.fault for e in store.events] == ["hang"]
 
 
 def test_clear_and_register_buffer_can_fail_too():
-    store = FaultInjectionWrapper(
+    store = FaultInjectionLayer(
         MemoryBackend(), {"clear": {"error_rate": 1.0, "errors": ["permission"]}, "register_buffer": {"error_rate": 1.0}}
     )
     with pytest.raises(ERROR_KINDS["permission"]):
@@ -208,14 +208,14 @@ def test_clear_and_register_buffer_can_fail_too():
 )
 def test_bad_fault_configs_are_config_errors(config, match):
     with pytest.raises(ConfigError, match=match):
-        FaultInjectionWrapper(MemoryBackend(), config)
+        FaultInjectionLayer(MemoryBackend(), config)
 
 
-def test_a_paused_wrapper_lets_calls_through_and_resumes_the_same_sequence():
+def test_a_paused_layer_lets_calls_through_and_resumes_the_same_sequence():
     """Paused calls are untouched and take no call number: the faults after resume() are the
     ones a run without the paused calls gets."""
-    uninterrupted = FaultInjectionWrapper(MemoryBackend(), {"seed": 3, **MIXED})
-    interrupted = FaultInjectionWrapper(MemoryBackend(), {"seed": 3, **MIXED, "enabled": False})
+    uninterrupted = FaultInjectionLayer(MemoryBackend(), {"seed": 3, **MIXED})
+    interrupted = FaultInjectionLayer(MemoryBackend(), {"seed": 3, **MIXED, "enabled": False})
     assert not interrupted.enabled
     for _ in range(10):  # starts paused: every call is healthy
         assert interrupted.put(keys(4), [page(1)] * 4) == [True] * 4
@@ -241,7 +241,7 @@ def test_a_paused_wrapper_lets_calls_through_and_resumes_the_same_sequence():
 
 
 def test_pausing_leaves_a_hanging_call_hanging_until_released():
-    store = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
     done = []
     hung = threading.Thread(target=lambda: done.append(store.exists(keys(1))))
     hung.start()
@@ -256,7 +256,7 @@ def test_pausing_leaves_a_hanging_call_hanging_until_released():
 
 def test_a_vanishing_page_exists_then_is_gone_at_get_time():
     memory = MemoryBackend()
-    store = FaultInjectionWrapper(memory, {"seed": 6, "exists": {"vanish_rate": 0.5}})
+    store = FaultInjectionLayer(memory, {"seed": 6, "exists": {"vanish_rate": 0.5}})
     store.put(keys(20), [page(i) for i in range(20)])
     assert store.exists(keys(20)) == [True] * 20, "exists still reports every page"
     vanished = {e.page for e in store.events}
@@ -277,12 +277,12 @@ def test_vanishing_needs_a_store_that_can_delete():
             self.capabilities = self.capabilities.replace(delete=False)
 
     with pytest.raises(ConfigError, match="cannot delete"):
-        FaultInjectionWrapper(NoDelete(), {"exists": {"vanish_rate": 0.1}})
+        FaultInjectionLayer(NoDelete(), {"exists": {"vanish_rate": 0.1}})
 
 
 @pytest.mark.parametrize("size", [0, 5])
 def test_the_event_log_keeps_only_the_latest_events_and_stats_count_them_all(size):
-    store = FaultInjectionWrapper(MemoryBackend(), {"event_log_size": size, "get": {"error_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"event_log_size": size, "get": {"error_rate": 1.0}})
     for _ in range(20):
         with pytest.raises(ERROR_KINDS["unavailable"]):
             store.get(keys(1), SIZE)
@@ -291,7 +291,7 @@ def test_the_event_log_keeps_only_the_latest_events_and_stats_count_them_all(siz
 
 
 def test_the_event_log_is_capped_by_default():
-    store = FaultInjectionWrapper(MemoryBackend(), {"get": {"error_rate": 1.0}})
+    store = FaultInjectionLayer(MemoryBackend(), {"get": {"error_rate": 1.0}})
     for _ in range(1500):
         with pytest.raises(ERROR_KINDS["unavailable"]):
             store.get(keys(1), SIZE)

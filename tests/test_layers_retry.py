@@ -1,4 +1,4 @@
-"""The retry wrapper: retryable errors only, exponential backoff with full jitter, a deadline.
+"""The retry layer: retryable errors only, exponential backoff with full jitter, a deadline.
 
 Pauses are recorded through a fake clock instead of slept, so the schedule is checked exactly and
 no test depends on timing.
@@ -17,7 +17,7 @@ from hicache_storage.errors import (
     ThrottledError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import RetryWrapper, wrap
+from hicache_storage.layers import RetryLayer, stack_layers
 
 SCOPE = KeyScope(Namespace(model="retry-tests", kv_dtype="bfloat16", page_size=16))
 
@@ -54,8 +54,8 @@ class FakeClock:
         self.now += seconds
 
 
-def retrying(inner, **config) -> tuple[RetryWrapper, FakeClock]:
-    store = RetryWrapper(inner, {"seed": 7, **config})
+def retrying(inner, **config) -> tuple[RetryLayer, FakeClock]:
+    store = RetryLayer(inner, {"seed": 7, **config})
     clock = FakeClock()
     store._sleep, store._clock = clock.sleep, lambda: clock.now
     if isinstance(inner, Flaky) and inner.clock is None:
@@ -115,7 +115,7 @@ def test_the_status_decides_what_is_retried(error, tries):
 
 def test_an_error_an_inner_retry_gave_up_on_is_not_retried_again():
     inner = Flaky(100, BackendUnavailableError("down"))
-    store, _ = retrying(RetryWrapper(inner, {"attempts": 2, "base_seconds": 0.001}), attempts=5)
+    store, _ = retrying(RetryLayer(inner, {"attempts": 2, "base_seconds": 0.001}), attempts=5)
     with pytest.raises(BackendUnavailableError) as caught:
         store.exists(keys(1))
     assert inner.tries == 2 and caught.value.status is ErrorStatus.PERSISTENT
@@ -134,7 +134,7 @@ def test_no_retry_starts_after_the_deadline():
 
 
 def test_backoff_grows_exponentially_up_to_the_cap_with_full_jitter():
-    store = RetryWrapper(MemoryBackend(), {"base_seconds": 0.01, "cap_seconds": 0.5, "seed": 3})
+    store = RetryLayer(MemoryBackend(), {"base_seconds": 0.01, "cap_seconds": 0.5, "seed": 3})
     for retry, bound in [(1, 0.01), (2, 0.02), (4, 0.08), (6, 0.32), (7, 0.5), (30, 0.5)]:
         draws = [store.backoff(retry) for _ in range(300)]
         assert all(0 <= d <= bound for d in draws)
@@ -142,13 +142,13 @@ def test_backoff_grows_exponentially_up_to_the_cap_with_full_jitter():
 
 
 def test_the_same_seed_gives_the_same_schedule():
-    first = RetryWrapper(MemoryBackend(), {"seed": 11})
-    second = RetryWrapper(MemoryBackend(), {"seed": 11})
+    first = RetryLayer(MemoryBackend(), {"seed": 11})
+    second = RetryLayer(MemoryBackend(), {"seed": 11})
     assert [first.backoff(n) for n in range(1, 8)] == [second.backoff(n) for n in range(1, 8)]
 
 
 def test_retry_hides_injected_retryable_faults_from_a_workload():
-    store = wrap(
+    store = stack_layers(
         MemoryBackend(),
         [
             {"kind": "faults", "seed": 5, "put": {"error_rate": 0.4}, "get": {"error_rate": 0.4, "errors": ["throttled"]}},
@@ -165,7 +165,7 @@ def test_retry_hides_injected_retryable_faults_from_a_workload():
 
 
 def test_only_the_configured_operations_are_retried():
-    store = wrap(
+    store = stack_layers(
         MemoryBackend(),
         [
             {"kind": "faults", "put": {"error_rate": 1.0}, "exists": {"error_rate": 1.0}},
@@ -184,4 +184,4 @@ def test_an_unknown_operation_to_retry_is_a_config_error():
     from hicache_storage.errors import ConfigError
 
     with pytest.raises(ConfigError, match="operations"):
-        RetryWrapper(MemoryBackend(), {"operations": ["gets"]})
+        RetryLayer(MemoryBackend(), {"operations": ["gets"]})

@@ -1,9 +1,9 @@
 """Each layer kind passes the whole conformance suite once over the memory connector, and one
 combined stack passes it over the file connector (persistence, other processes, zero-copy).
 
-Real servers get one combined stack each (tests/test_wrappers_mooncake.py); what a layer does
+Real servers get one combined stack each (tests/test_layers_mooncake.py); what a layer does
 (timing, retries, trailers, counters, faults) is asserted by the behaviour tests in the other
-tests/test_wrappers_*.py files, which run in a fraction of a suite's time. Timeouts here are far
+tests/test_layers_*.py files, which run in a fraction of a suite's time. Timeouts here are far
 above anything a memory call takes: these runs prove forwarding and semantics, not timing.
 """
 
@@ -17,14 +17,14 @@ CAPPED_MEMORY = {"capacity_bytes": 64 * 2**20}
 
 class TestTimeoutConformance(ConformanceTests):
     backend = "memory"
-    wrappers = [{"kind": "timeout", "seconds": 60, "workers": 4}]
+    layers = [{"kind": "timeout", "seconds": 60, "workers": 4}]
 
 
 class TestRetryHidesInjectedErrorsConformance(ConformanceTests):
     """A store failing 30% of calls with retryable errors still conforms behind retry."""
 
     backend = "memory"
-    wrappers = [
+    layers = [
         {
             "kind": "faults",
             "seed": 3,
@@ -42,7 +42,7 @@ class TestIntegrityBlake2bVerifiedExistsConformance(ConformanceTests):
     (the default crc32 trailer runs in the combined stacks)."""
 
     backend = "memory"
-    wrappers = [{"kind": "integrity", "checksum": "blake2b", "verify_exists": True}]
+    layers = [{"kind": "integrity", "checksum": "blake2b", "verify_exists": True}]
 
     @pytest.fixture
     def backend_config(self):
@@ -51,14 +51,14 @@ class TestIntegrityBlake2bVerifiedExistsConformance(ConformanceTests):
 
 class TestMetricsConformance(ConformanceTests):
     backend = "memory"
-    wrappers = [{"kind": "metrics"}]
+    layers = [{"kind": "metrics"}]
 
 
 class TestFaultsWithNoFaultsConformance(ConformanceTests):
     """With every rate at zero the fault injector is a pure pass-through."""
 
     backend = "memory"
-    wrappers = [{"kind": "faults", "seed": 1}]
+    layers = [{"kind": "faults", "seed": 1}]
 
 
 class TestZeroCopyStackOnFileConformance(ConformanceTests):
@@ -69,7 +69,7 @@ class TestZeroCopyStackOnFileConformance(ConformanceTests):
 
     backend = "file"
     capability_overrides = {"max_batch": 7}
-    wrappers = [
+    layers = [
         {"kind": "faults", "seed": 2},
         {"kind": "integrity"},
         {"kind": "retry", "attempts": 3, "base_seconds": 0.001},

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache_storage import ConfigError, KeyScope, Namespace, StoreSpec, open_store
+from hicache_storage import ConfigError, KeyScope, Namespace, Store, StoreSpec, open_store
 from hicache_storage.cli import main as cli_main
 from hicache_storage.connectors.memory import MemoryBackend
-from hicache_storage.wrappers import TimeoutWrapper, find_wrapper, stack_layers, wrap
+from hicache_storage.layers import TimeoutLayer, find_layer, stack_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 SCOPE = KeyScope(Namespace(model="stack-tests", kv_dtype="bfloat16", page_size=16))
@@ -35,8 +35,8 @@ class SizesSlotsOnFirstPut(MemoryBackend):
 
 def test_a_capability_changed_after_opening_is_seen_through_every_layer():
     connector = SizesSlotsOnFirstPut()
-    store = wrap(connector, EVERY_KIND)
-    levels = store.facade.levels()
+    store = Store(stack_layers(connector, EVERY_KIND))
+    levels = store.levels()
     assert [getattr(level, "kind", "connector") for level in levels] == ["metrics", "retry", "timeout", "integrity", "faults", "connector"]
     assert all(level.capabilities.max_value_size is None for level in levels)
 
@@ -45,7 +45,7 @@ def test_a_capability_changed_after_opening_is_seen_through_every_layer():
     trailer = 48  # the integrity layer's, taken from the limit by every level above it
     assert [level.capabilities.max_value_size for level in levels] == [4096 - trailer] * 4 + [4096] * 2
     assert all(level.capabilities.max_batch == 3 for level in levels)
-    described = store.facade.describe()
+    described = store.describe()
     assert described["capabilities"]["max_value_size"] == 4096 - trailer
     assert [level["capabilities"]["max_batch"] for level in described["levels"]] == [3] * 6
     with pytest.raises(Exception, match="max_value_size of 4048 bytes"):
@@ -55,10 +55,10 @@ def test_a_capability_changed_after_opening_is_seen_through_every_layer():
 
 def test_a_capability_changed_after_opening_is_seen_by_the_facade_split():
     connector = SizesSlotsOnFirstPut()
-    store = wrap(connector, [{"kind": "metrics"}])
+    store = stack_layers(connector, [{"kind": "metrics"}])
     keys = SCOPE.keys([f"{i:064x}" for i in range(8)])
     store.put(keys[:1], [b"a"])  # the connector now declares max_batch=3
-    metrics = find_wrapper(store, type(store))
+    metrics = find_layer(store, type(store))
     before = metrics.snapshot()["operations"]["exists"]["calls"]
     assert store.exists(keys) == [True] + [False] * 7
     assert metrics.snapshot()["operations"]["exists"]["calls"] - before == 3  # 8 keys in batches of 3
@@ -111,12 +111,12 @@ class BoundsItsCalls(MemoryBackend):
 def test_default_timeout_goes_only_on_a_stack_that_does_not_bound_its_calls():
     default = {"seconds": 5, "zero_copy": True}
     unbounded = stack_layers(MemoryBackend(), [], default_timeout=default)
-    assert isinstance(unbounded, TimeoutWrapper) and unbounded.config.zero_copy
+    assert isinstance(unbounded, TimeoutLayer) and unbounded.config.zero_copy
     bounded = BoundsItsCalls()
     assert stack_layers(bounded, [], default_timeout=default) is bounded
     # Fault injection can stall a call: the stack above it no longer bounds its calls.
     stalling = stack_layers(BoundsItsCalls(), [{"kind": "faults"}], default_timeout=default)
-    assert isinstance(stalling, TimeoutWrapper) and stalling.inner.kind == "faults"
+    assert isinstance(stalling, TimeoutLayer) and stalling.inner.kind == "faults"
     # A timeout among the layers bounds the stack: no second one.
     asked = stack_layers(MemoryBackend(), [{"kind": "timeout", "seconds": 1}], default_timeout=default)
     assert asked.kind == "timeout" and isinstance(asked.inner, MemoryBackend)
@@ -137,21 +137,21 @@ def test_retry_and_integrity_are_refused_above_a_zero_copy_timeout(above):
     zero_copy = {"kind": "timeout", "seconds": 5, "zero_copy": True}
     connector = MemoryBackend()
     with pytest.raises(ConfigError, match=r"timeout\(retry\(integrity\(store\)\)\)") as caught:
-        wrap(connector, [zero_copy, {"kind": above}])
+        stack_layers(connector, [zero_copy, {"kind": above}])
     assert f"{above} > timeout" in str(caught.value) and not connector.closed
     with pytest.raises(ConfigError, match="zero-copy timeout"):
         open_store({"backend": "memory", "layers": [zero_copy, {"kind": above}]})
     # Onto a stack that already holds a zero-copy timeout, too.
     with pytest.raises(ConfigError, match="zero-copy timeout"):
-        wrap(TimeoutWrapper(MemoryBackend(), {"zero_copy": True}), [{"kind": above}])
+        stack_layers(TimeoutLayer(MemoryBackend(), {"zero_copy": True}), [{"kind": above}])
     # Below it, or above a staging timeout, the order is safe.
-    wrap(MemoryBackend(), [{"kind": above}, zero_copy]).close()
-    wrap(MemoryBackend(), [{"kind": "timeout", "seconds": 5}, {"kind": above}]).close()
+    stack_layers(MemoryBackend(), [{"kind": above}, zero_copy]).close()
+    stack_layers(MemoryBackend(), [{"kind": "timeout", "seconds": 5}, {"kind": above}]).close()
 
 
 def test_capability_overrides_reach_every_layer():
     with open_store({"backend": "memory", "layers": EVERY_KIND, "capability_overrides": {"max_batch": 5}}) as store:
-        assert [level.capabilities.max_batch for level in store.facade.levels()] == [5] * 6
+        assert [level.capabilities.max_batch for level in store.levels()] == [5] * 6
 
 
 HOOKS = {"_exists", "_get_into", "_put_from", "_delete", "_clear", "_register_buffer", "_close", "_check_open"}

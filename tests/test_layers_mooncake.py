@@ -1,4 +1,4 @@
-"""The integrity wrapper keeps Mooncake's zero-copy reads, against a real Mooncake master.
+"""The integrity layer keeps Mooncake's zero-copy reads, against a real Mooncake master.
 
 Mooncake reads straight into caller memory only when every segment of a page lies in registered
 memory; integrity adds a trailer segment, so its trailer arena must be registered too.
@@ -11,7 +11,7 @@ import pytest
 from hicache_storage import create_backend
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.keys import KeyScope, Namespace
-from hicache_storage.wrappers import unwrap, wrap
+from hicache_storage.layers import connector_of, stack_layers
 from reused_store import ReusedStore
 
 pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
@@ -23,8 +23,8 @@ PAGE = 4096
 
 @pytest.mark.parametrize(("trailer_slots", "path"), [(1024, "direct"), (0, "staged")])
 def test_integrity_reads_into_a_registered_pool_are_zero_copy(mooncake_master, trailer_slots, path):
-    store = wrap(create_backend("mooncake", mooncake_master.client_config()), [{"kind": "integrity", "trailer_slots": trailer_slots}])
-    connector = unwrap(store)
+    store = stack_layers(create_backend("mooncake", mooncake_master.client_config()), [{"kind": "integrity", "trailer_slots": trailer_slots}])
+    connector = connector_of(store)
     paths = []
     registered_addresses = connector._registered_addresses  # how the connector picks its path
 
@@ -35,7 +35,7 @@ def test_integrity_reads_into_a_registered_pool_are_zero_copy(mooncake_master, t
 
     connector._registered_addresses = spy
     try:
-        scope = KeyScope(Namespace(model=f"wrappers-mooncake-{trailer_slots}", kv_dtype="bfloat16", page_size=16))
+        scope = KeyScope(Namespace(model=f"layers-mooncake-{trailer_slots}", kv_dtype="bfloat16", page_size=16))
         keys = scope.keys([f"{i:016x}" for i in range(4)])
         pool = bytearray(8 * PAGE)
         store.register_buffer(pool)
@@ -58,7 +58,7 @@ class TestRecommendedStackOnMooncakeConformance(ReusedStore, ConformanceTests):
     """One stack serves every clause that leaves it as it was (closing its client takes a second)."""
 
     backend = "mooncake"
-    wrappers = [{"kind": "integrity"}, {"kind": "timeout", "seconds": 60}, {"kind": "retry", "base_seconds": 0.01}, {"kind": "metrics"}]
+    layers = [{"kind": "integrity"}, {"kind": "timeout", "seconds": 60}, {"kind": "retry", "base_seconds": 0.01}, {"kind": "metrics"}]
 
     @pytest.fixture
     def backend_config(self, mooncake_master):

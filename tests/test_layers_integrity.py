@@ -1,6 +1,6 @@
-"""The integrity wrapper: torn, truncated, misplaced, foreign and corrupted pages read as misses.
+"""The integrity layer: torn, truncated, misplaced, foreign and corrupted pages read as misses.
 
-Damage is done behind the wrapper's back by writing through the inner memory connector directly,
+Damage is done behind the layer's back by writing through the inner memory connector directly,
 as a broken store, a stray writer or a bit flip would.
 """
 
@@ -12,8 +12,8 @@ import pytest
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import ConfigError, ValueTooLargeError
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
-from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper, find_wrapper, wrap
-from hicache_storage.wrappers.integrity import TRAILER_SIZE, check_trailer, make_trailer
+from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer, find_layer, stack_layers
+from hicache_storage.layers.integrity import TRAILER_SIZE, check_trailer, make_trailer
 
 NAMESPACE = Namespace(model="integrity-tests", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
@@ -35,7 +35,7 @@ def memory():
 
 @pytest.fixture
 def store(memory):
-    store = IntegrityWrapper(memory)
+    store = IntegrityLayer(memory)
     yield store
     store.close()
 
@@ -46,7 +46,7 @@ def stored(memory: MemoryBackend, key: PageKey, size: int = SIZE + TRAILER_SIZE)
     return bytearray(value)
 
 
-def misses(store: IntegrityWrapper, reason: str) -> int:
+def misses(store: IntegrityLayer, reason: str) -> int:
     return store.stats()[f"integrity_miss_{reason}"]
 
 
@@ -67,7 +67,7 @@ def test_reads_land_in_the_callers_buffers_without_a_copy(memory):
             seen.extend(targets)
             return super()._get_into(keys, targets)
 
-    store = IntegrityWrapper(Spy())
+    store = IntegrityLayer(Spy())
     store.put(keys(1), [page(2)])
     head, tail = bytearray(400), bytearray(600)
     assert store.get_into(keys(1), [[head, tail]]) == [True]
@@ -166,7 +166,7 @@ def test_a_reserved_byte_flip_is_caught_by_the_checksum(store, memory):
     assert misses(store, "checksum") == 1
 
 
-def test_values_written_without_the_wrapper_read_as_misses(store, memory):
+def test_values_written_without_the_layer_read_as_misses(store, memory):
     key = keys(1)[0]
     memory.put([key], [page(5, SIZE + TRAILER_SIZE)])
     assert store.get([key], SIZE) == [None]
@@ -184,12 +184,12 @@ def test_only_the_damaged_page_of_a_batch_is_a_miss(store, memory):
 
 @pytest.mark.parametrize("fault", ["corrupt_rate", "short_read_rate"])
 def test_injected_corruption_and_short_reads_never_reach_the_caller(fault):
-    store = wrap(MemoryBackend(), [{"kind": "faults", "seed": 9, "get": {fault: 0.5}}, {"kind": "integrity"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "faults", "seed": 9, "get": {fault: 0.5}}, {"kind": "integrity"}])
     batch = keys(40)
     pages = [page(i) for i in range(40)]
     store.put(batch, pages)
     got = store.get(batch, SIZE)
-    damaged = {event.page for event in find_wrapper(store, FaultInjectionWrapper).events}
+    damaged = {event.page for event in find_layer(store, FaultInjectionLayer).events}
     assert len(damaged) > 5
     assert all(value == expected for value, expected in zip(got, pages) if value is not None), "damaged data was served"
     missed = {i for i, value in enumerate(got) if value is None}
@@ -210,7 +210,7 @@ def test_exists_trusts_the_store_by_default(store, memory):
 
 
 def test_verified_exists_reads_pages_of_known_size(memory):
-    store = IntegrityWrapper(memory, {"verify_exists": True})
+    store = IntegrityLayer(memory, {"verify_exists": True})
     good, bad = keys(2)
     other_scope = KeyScope(NAMESPACE, part="v")
     unseen = keys(1, other_scope)[0]
@@ -225,8 +225,8 @@ def test_verified_exists_reads_pages_of_known_size(memory):
 
 @pytest.mark.parametrize("checksum", ["crc32", "blake2b"])
 def test_each_checksum_kind_round_trips_and_any_reader_verifies_it(memory, checksum):
-    writer = IntegrityWrapper(memory, {"checksum": checksum})
-    reader = IntegrityWrapper(memory, {"checksum": "crc32" if checksum == "blake2b" else "blake2b"})
+    writer = IntegrityLayer(memory, {"checksum": checksum})
+    reader = IntegrityLayer(memory, {"checksum": "crc32" if checksum == "blake2b" else "blake2b"})
     writer.put(keys(1), [page(6)])
     assert reader.get(keys(1), SIZE) == [page(6)]
     kind = stored(memory, keys(1)[0])[SIZE + 6]
@@ -244,7 +244,7 @@ def test_trailer_layout_is_the_documented_one():
 
 
 def test_max_value_size_leaves_room_for_the_trailer():
-    store = IntegrityWrapper(MemoryBackend({"capacity_bytes": 1000}))
+    store = IntegrityLayer(MemoryBackend({"capacity_bytes": 1000}))
     assert store.capabilities.max_value_size == 1000 - TRAILER_SIZE
     assert store.put(keys(1), [bytes(1000 - TRAILER_SIZE)]) == [True]
     with pytest.raises(ValueTooLargeError):
@@ -253,13 +253,13 @@ def test_max_value_size_leaves_room_for_the_trailer():
 
 def test_a_store_too_small_for_the_trailer_is_a_config_error():
     with pytest.raises(ConfigError, match="no room for a page"):
-        IntegrityWrapper(MemoryBackend({"capacity_bytes": TRAILER_SIZE}))
+        IntegrityLayer(MemoryBackend({"capacity_bytes": TRAILER_SIZE}))
 
 
 def test_failures_are_logged_with_the_key_and_reason(store, memory, caplog):
     key = keys(1)[0]
     memory.put([key], [bytes(SIZE + TRAILER_SIZE)])
-    with caplog.at_level(logging.WARNING, logger="hicache_storage.wrappers.integrity"):
+    with caplog.at_level(logging.WARNING, logger="hicache_storage.layers.integrity"):
         store.get([key], SIZE)
     assert "failed its magic check" in caplog.text and key.page_hash in caplog.text
 
@@ -294,7 +294,7 @@ def _address(view):
 
 def test_reads_into_a_registered_pool_stay_in_registered_memory_trailer_included():
     inner = RegisteringMemory()
-    store = IntegrityWrapper(inner)
+    store = IntegrityLayer(inner)
     pool = bytearray(4 * SIZE)
     store.register_buffer(pool)
     view = memoryview(pool)
@@ -308,7 +308,7 @@ def test_reads_into_a_registered_pool_stay_in_registered_memory_trailer_included
 
 
 def test_more_reads_than_trailer_slots_still_verify():
-    store = IntegrityWrapper(RegisteringMemory(), {"trailer_slots": 1})
+    store = IntegrityLayer(RegisteringMemory(), {"trailer_slots": 1})
     store.put(keys(3), [page(i) for i in range(3)])
     assert store.get(keys(3), SIZE) == [page(i) for i in range(3)]
     assert store._slots._free == [0]
@@ -317,7 +317,7 @@ def test_more_reads_than_trailer_slots_still_verify():
 def test_a_store_that_does_not_register_gets_no_registration():
     inner = RegisteringMemory()
     inner.capabilities = MemoryBackend.capabilities
-    store = IntegrityWrapper(inner)
+    store = IntegrityLayer(inner)
     store.put(keys(1), [page(1)])
     assert store.get(keys(1), SIZE) == [page(1)]
     assert inner.ranges == []
@@ -340,7 +340,7 @@ def test_a_hit_without_a_delivered_trailer_fails_even_after_a_good_read():
             return [True] * len(keys)
 
     inner = ForgetsTrailer()
-    store = IntegrityWrapper(inner, {"trailer_slots": 1})
+    store = IntegrityLayer(inner, {"trailer_slots": 1})
     store.put(keys(1), [page(1)])
     assert store.get(keys(1), SIZE) == [page(1)]
     inner.forget = True

@@ -1,4 +1,4 @@
-"""The wrapper base (forwarding, names, stats, errors) and wrap(), the config entry point."""
+"""The layer base (forwarding, names, stats, errors) and stack_layers(), the config entry point."""
 
 import json
 
@@ -13,19 +13,19 @@ from hicache_storage.errors import (
     InvalidArgumentError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import (
-    WRAPPERS,
-    BackendWrapper,
-    IntegrityWrapper,
-    MetricsWrapper,
-    RetryWrapper,
-    TimeoutWrapper,
-    find_wrapper,
-    unwrap,
-    wrap,
+from hicache_storage.layers import (
+    LAYERS,
+    Layer,
+    IntegrityLayer,
+    MetricsLayer,
+    RetryLayer,
+    TimeoutLayer,
+    connector_of,
+    find_layer,
+    stack_layers,
 )
 
-NAMESPACE = Namespace(model="wrapper-tests", kv_dtype="bfloat16", page_size=16)
+NAMESPACE = Namespace(model="layer-tests", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
 
 
@@ -69,10 +69,10 @@ class RecordingMemory(MemoryBackend):
         self.calls.append("close")
 
 
-@pytest.mark.parametrize("kind", sorted(WRAPPERS))
-def test_every_wrapper_forwards_every_operation(kind):
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_every_layer_forwards_every_operation(kind):
     inner = RecordingMemory()
-    store = wrap(inner, [{"kind": kind}])
+    store = stack_layers(inner, [{"kind": kind}])
     page = [b"a" * 64]
     assert store.put(keys(1), page) == [True]
     assert store.exists(keys(2)) == [True, False]
@@ -91,18 +91,18 @@ def test_every_wrapper_forwards_every_operation(kind):
 
 def test_name_shows_the_chain_innermost_first():
     inner = MemoryBackend()
-    store = wrap(inner, [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "metrics"}])
+    store = stack_layers(inner, [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "metrics"}])
     assert store.name == "metrics(timeout(integrity(memory)))"
-    assert [layer.name for layer in store.layers()] == [
+    assert [layer.name for layer in store.levels()] == [
         "metrics(timeout(integrity(memory)))",
         "timeout(integrity(memory))",
         "integrity(memory)",
         "memory",
     ]
-    assert unwrap(store) is inner
-    assert unwrap(inner) is inner
-    assert isinstance(find_wrapper(store, TimeoutWrapper), TimeoutWrapper)
-    assert find_wrapper(store, RetryWrapper) is None
+    assert connector_of(store) is inner
+    assert connector_of(inner) is inner
+    assert isinstance(find_layer(store, TimeoutLayer), TimeoutLayer)
+    assert find_layer(store, RetryLayer) is None
     assert "inner=<MemoryBackend" in repr(store)
     store.close()
 
@@ -110,7 +110,7 @@ def test_name_shows_the_chain_innermost_first():
 def test_capabilities_come_from_the_inner_backend():
     inner = MemoryBackend({"capacity_bytes": 10_000})
     inner.capabilities = inner.capabilities.replace(max_batch=5)
-    store = RetryWrapper(inner)
+    store = RetryLayer(inner)
     assert store.capabilities == inner.capabilities
     # Batches are split to the inner's limit before any inner hook sees them (a put writes the
     # last chunk first, so the head of a prefix is the most recent: test_backend_contract.py).
@@ -126,7 +126,7 @@ def test_inner_errors_name_the_inner_backend():
         def _exists(self, keys):
             raise BackendUnavailableError("connection refused")
 
-    store = MetricsWrapper(Down())
+    store = MetricsLayer(Down())
     with pytest.raises(BackendUnavailableError) as caught:
         store.exists(keys(1))
     assert caught.value.backend == "memory"
@@ -140,55 +140,55 @@ def test_an_inner_breaking_the_result_contract_is_caught(results):
             return results
 
     # Integrity post-processes results per key: it must not hide a wrong count by zipping.
-    store = IntegrityWrapper(Liar(), {"verify_exists": True})
+    store = IntegrityLayer(Liar(), {"verify_exists": True})
     with pytest.raises(BackendContractError) as caught:
         store.exists(keys(2))
     assert caught.value.backend == "memory"
 
 
-def test_closed_inner_is_refused_through_the_wrapper():
+def test_closed_inner_is_refused_through_the_layer():
     inner = MemoryBackend()
-    store = RetryWrapper(inner)
+    store = RetryLayer(inner)
     inner.close()
     with pytest.raises(Exception, match="closed"):
         store.exists(keys(1))
 
 
 def test_wrapping_something_that_is_not_a_backend_is_refused():
-    with pytest.raises(InvalidArgumentError, match="wraps a StorageBackend"):
-        RetryWrapper({"kind": "memory"})
+    with pytest.raises(InvalidArgumentError, match="goes over a connector or another layer"):
+        RetryLayer({"kind": "memory"})
 
 
 def test_stats_show_every_layers_counters():
-    store = wrap(MemoryBackend(), [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "retry"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "retry"}])
     stats = store.stats()
     for name in ("integrity_miss_checksum", "timeouts", "retries", "get_calls"):
         assert name in stats
     store.close()
 
 
-# --- wrap() ---------------------------------------------------------------------------------------
+# --- stack_layers() ---------------------------------------------------------------------------------------
 
 
 SPECS = [{"kind": "retry", "attempts": 2}, {"kind": "metrics", "label": "l3"}]
 
 
 def test_wrap_applies_specs_innermost_first():
-    store = wrap(MemoryBackend(), SPECS)
-    assert isinstance(store, MetricsWrapper) and isinstance(store.inner, RetryWrapper)
+    store = stack_layers(MemoryBackend(), SPECS)
+    assert isinstance(store, MetricsLayer) and isinstance(store.inner, RetryLayer)
     assert store.inner.config.attempts == 2
     assert store.label == "l3"
 
 
 def test_wrap_with_nothing_returns_the_backend_itself():
     inner = MemoryBackend()
-    assert wrap(inner, None) is inner
-    assert wrap(inner, []) is inner
-    assert wrap(inner, "") is inner
+    assert stack_layers(inner, None) is inner
+    assert stack_layers(inner, []) is inner
+    assert stack_layers(inner, "") is inner
 
 
 def test_wrap_accepts_a_json_string():
-    store = wrap(MemoryBackend(), json.dumps(SPECS))
+    store = stack_layers(MemoryBackend(), json.dumps(SPECS))
     assert store.name == "metrics(retry(memory))"
 
 
@@ -196,38 +196,38 @@ def test_wrap_accepts_a_json_string():
     ("suffix", "text"),
     [
         (".json", json.dumps(SPECS)),
-        (".json", json.dumps({"wrappers": SPECS})),
+        (".json", json.dumps({"layers": SPECS})),
         (".yaml", "- kind: retry\n  attempts: 2\n- kind: metrics\n  label: l3\n"),
-        (".toml", '[[wrappers]]\nkind = "retry"\nattempts = 2\n\n[[wrappers]]\nkind = "metrics"\nlabel = "l3"\n'),
+        (".toml", '[[layers]]\nkind = "retry"\nattempts = 2\n\n[[layers]]\nkind = "metrics"\nlabel = "l3"\n'),
     ],
     ids=["json-list", "json-object", "yaml", "toml"],
 )
 def test_wrap_reads_a_file(tmp_path, suffix, text):
-    path = tmp_path / f"wrappers{suffix}"
+    path = tmp_path / f"layers{suffix}"
     path.write_text(text)
-    store = wrap(MemoryBackend(), f"@{path}")
+    store = stack_layers(MemoryBackend(), f"@{path}")
     assert store.name == "metrics(retry(memory))"
     assert store.inner.config.attempts == 2
 
 
 def test_unknown_kind_lists_the_valid_ones():
     with pytest.raises(ConfigError) as caught:
-        wrap(MemoryBackend(), [{"kind": "retry"}, {"kind": "compress"}])
+        stack_layers(MemoryBackend(), [{"kind": "retry"}, {"kind": "compress"}])
     message = str(caught.value)
     assert "layer spec #1" in message and "'compress'" in message
-    for kind in WRAPPERS:
+    for kind in LAYERS:
         assert kind in message
     assert caught.value.field == "layer spec #1.kind"
 
 
 def test_missing_kind_is_reported():
     with pytest.raises(ConfigError, match="no 'kind'; valid kinds"):
-        wrap(MemoryBackend(), [{"seconds": 1}])
+        stack_layers(MemoryBackend(), [{"seconds": 1}])
 
 
 def test_unknown_key_lists_the_valid_ones():
     with pytest.raises(ConfigError) as caught:
-        wrap(MemoryBackend(), [{"kind": "timeout", "second": 1}])
+        stack_layers(MemoryBackend(), [{"kind": "timeout", "second": 1}])
     message = str(caught.value)
     assert "layer spec #0 (timeout)" in message and "'second'" in message
     assert "valid keys: clear_seconds, max_abandoned, seconds, staging_cache_bytes, workers, zero_copy" in message
@@ -236,7 +236,7 @@ def test_unknown_key_lists_the_valid_ones():
 
 def test_bad_value_names_field_value_and_rule():
     with pytest.raises(ConfigError) as caught:
-        wrap(MemoryBackend(), [{"kind": "retry", "attempts": 0}])
+        stack_layers(MemoryBackend(), [{"kind": "retry", "attempts": 0}])
     assert "attempts=0" in str(caught.value)
     assert "greater than or equal to 1" in str(caught.value)
 
@@ -247,31 +247,31 @@ def test_bad_value_names_field_value_and_rule():
         ("{not json", "not valid JSON"),
         ('{"kind": "retry"}', "must be a list"),
         ([["retry"]], "must be an object"),
-        ("@/nonexistent/wrappers.json", "cannot read wrapper file"),
-        ("@wrappers.ini", "must end in"),
+        ("@/nonexistent/layers.json", "cannot read layer file"),
+        ("@layers.ini", "must end in"),
     ],
 )
 def test_malformed_specs_raise_config_errors(specs, match):
     with pytest.raises(ConfigError, match=match):
-        wrap(MemoryBackend(), specs)
+        stack_layers(MemoryBackend(), specs)
 
 
 def test_nothing_is_wrapped_when_a_later_spec_is_bad():
     inner = MemoryBackend()
     with pytest.raises(ConfigError):
-        wrap(inner, [{"kind": "timeout"}, {"kind": "retry", "bogus": 1}])
+        stack_layers(inner, [{"kind": "timeout"}, {"kind": "retry", "bogus": 1}])
     assert not inner.closed
-    assert wrap(inner, [{"kind": "timeout"}]).inner is inner
+    assert stack_layers(inner, [{"kind": "timeout"}]).inner is inner
 
 
-def test_wrapper_is_a_backend_wrapper():
-    for cls in WRAPPERS.values():
-        assert issubclass(cls, BackendWrapper)
+def test_every_layer_kind_is_a_layer():
+    for cls in LAYERS.values():
+        assert issubclass(cls, Layer)
         assert cls.Config.__name__.endswith("Config")
 
 
-def test_segments_reach_the_inner_unchanged_through_pass_through_wrappers():
-    """Zero-copy wrappers hand the caller's own memory to the connector."""
+def test_segments_reach_the_inner_unchanged_through_pass_through_layers():
+    """Zero-copy layers hand the caller's own memory to the connector."""
     seen: list[Segments] = []
 
     class Spy(MemoryBackend):
@@ -279,16 +279,16 @@ def test_segments_reach_the_inner_unchanged_through_pass_through_wrappers():
             seen.extend(targets)
             return super()._get_into(keys, targets)
 
-    store = wrap(Spy(), [{"kind": "retry"}, {"kind": "metrics"}])
+    store = stack_layers(Spy(), [{"kind": "retry"}, {"kind": "metrics"}])
     store.put(keys(1), [b"z" * 32])
     target = bytearray(32)
     assert store.get_into(keys(1), [target]) == [True]
     assert seen[0][0].obj is target
 
 
-def test_counters_of_stacked_wrappers_of_one_kind_add_up():
-    store = wrap(MemoryBackend(), [{"kind": "faults", "exists": {"error_rate": 1.0}}, {"kind": "retry", "attempts": 2, "base_seconds": 0.0001}])
-    store = wrap(store, [{"kind": "retry", "attempts": 3, "base_seconds": 0.0001}])
+def test_counters_of_stacked_layers_of_one_kind_add_up():
+    store = stack_layers(MemoryBackend(), [{"kind": "faults", "exists": {"error_rate": 1.0}}, {"kind": "retry", "attempts": 2, "base_seconds": 0.0001}])
+    store = stack_layers(store, [{"kind": "retry", "attempts": 3, "base_seconds": 0.0001}])
     with pytest.raises(BackendUnavailableError):
         store.exists(keys(1))
     # The inner retry tries twice (1 retry), gives up and marks the error persistent, which the

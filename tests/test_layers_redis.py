@@ -1,7 +1,7 @@
-"""The timeout wrapper in front of a real, frozen Redis: callers get control back, memory stays safe.
+"""The timeout layer in front of a real, frozen Redis: callers get control back, memory stays safe.
 
 The server is frozen with SIGSTOP (it keeps its sockets open and answers nothing), as a hung
-store would; its own client would wait ``socket_timeout`` (set long here), the wrapper does not.
+store would; its own client would wait ``socket_timeout`` (set long here), the layer does not.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import pytest
 from hicache_storage import create_backend
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, Namespace
-from hicache_storage.wrappers import TimeoutWrapper, wrap
+from hicache_storage.layers import TimeoutLayer, stack_layers
 
 pytest.importorskip("redis", reason="needs the redis client (the 'redis' extra)")
 
 pytestmark = pytest.mark.services
 
-SCOPE = KeyScope(Namespace(model="wrappers-redis", kv_dtype="bfloat16", page_size=16))
+SCOPE = KeyScope(Namespace(model="layers-redis", kv_dtype="bfloat16", page_size=16))
 PAGE = 4096
 
 
@@ -35,8 +35,8 @@ def frozen_redis() -> Iterator[object]:
 
 def test_a_frozen_redis_cannot_block_callers_or_write_into_returned_buffers(frozen_redis):
     inner = create_backend("redis", {"url": frozen_redis.url, "socket_timeout": 60, "retries": 0})
-    store = wrap(inner, [{"kind": "integrity"}, {"kind": "timeout", "seconds": 0.5, "workers": 2}])
-    assert isinstance(store, TimeoutWrapper)
+    store = stack_layers(inner, [{"kind": "integrity"}, {"kind": "timeout", "seconds": 0.5, "workers": 2}])
+    assert isinstance(store, TimeoutLayer)
     keys = SCOPE.keys([f"{i:016x}" for i in range(3)])
     pages = [bytes([i + 1]) * PAGE for i in range(3)]
     assert store.put(keys, pages) == [True] * 3

@@ -1,4 +1,4 @@
-"""The metrics wrapper: counts per operation, latency histograms, and Prometheus export."""
+"""The metrics layer: counts per operation, latency histograms, and Prometheus export."""
 
 import json
 import sys
@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import MetricsWrapper, find_wrapper, prometheus_text, wrap
+from hicache_storage.layers import MetricsLayer, find_layer, prometheus_text, stack_layers
 
 NAMESPACE = Namespace(model="metrics-tests", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
@@ -38,7 +38,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_counts_calls_keys_hits_and_bytes_per_operation():
-    store = MetricsWrapper(MemoryBackend())
+    store = MetricsLayer(MemoryBackend())
     workload(store)
     ops = store.snapshot()["operations"]
     assert ops["put"] | {"errors": {}} == ops["put"]
@@ -53,14 +53,14 @@ def test_counts_calls_keys_hits_and_bytes_per_operation():
 def test_each_batch_the_store_sees_is_one_call():
     inner = MemoryBackend()
     inner.capabilities = inner.capabilities.replace(max_batch=3)
-    store = MetricsWrapper(inner)
+    store = MetricsLayer(inner)
     store.put(keys(7), [b"x"] * 7)
     assert store.snapshot()["operations"]["put"]["calls"] == 3
     assert store.snapshot()["operations"]["put"]["keys"] == 7
 
 
 def test_errors_are_counted_by_type():
-    store = wrap(MemoryBackend(), [{"kind": "faults", "seed": 1, "exists": {"error_rate": 1.0}}, {"kind": "metrics"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "faults", "seed": 1, "exists": {"error_rate": 1.0}}, {"kind": "metrics"}])
     for _ in range(3):
         with pytest.raises(BackendUnavailableError):
             store.exists(keys(1))
@@ -70,7 +70,7 @@ def test_errors_are_counted_by_type():
 
 
 def test_latency_histogram_is_cumulative_and_counts_every_call():
-    store = MetricsWrapper(MemoryBackend(), {"buckets": [0.001, 0.1, 10.0]})
+    store = MetricsLayer(MemoryBackend(), {"buckets": [0.001, 0.1, 10.0]})
     for _ in range(5):
         store.exists(keys(2))
     latency = store.snapshot()["operations"]["exists"]["latency"]
@@ -82,7 +82,7 @@ def test_latency_histogram_is_cumulative_and_counts_every_call():
 
 
 def test_snapshot_is_plain_data_and_includes_lower_layers_events():
-    store = wrap(MemoryBackend(), [{"kind": "integrity"}, {"kind": "metrics", "label": "l3"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "integrity"}, {"kind": "metrics", "label": "l3"}])
     memory = store.inner.inner
     memory.put(keys(1), [bytes(100 + 48)])  # no integrity trailer: reads as a miss
     assert store.get(keys(1), 100) == [None]
@@ -93,7 +93,7 @@ def test_snapshot_is_plain_data_and_includes_lower_layers_events():
 
 
 def test_prometheus_text_exports_counters_histograms_and_events():
-    store = wrap(MemoryBackend(), [{"kind": "integrity"}, {"kind": "metrics"}])
+    store = stack_layers(MemoryBackend(), [{"kind": "integrity"}, {"kind": "metrics"}])
     workload(store)
     with pytest.raises(BackendUnavailableError):
         store.inner.inner._exists = lambda keys: (_ for _ in ()).throw(BackendUnavailableError("down"))
@@ -113,9 +113,9 @@ def test_prometheus_text_exports_counters_histograms_and_events():
 
 def test_register_on_a_registry_and_same_labels_are_summed():
     registry = CollectorRegistry()
-    first = MetricsWrapper(MemoryBackend(), {"label": "l3"})
-    second = MetricsWrapper(MemoryBackend(), {"label": "l3"})
-    from hicache_storage.wrappers.metrics import _Collector
+    first = MetricsLayer(MemoryBackend(), {"label": "l3"})
+    second = MetricsLayer(MemoryBackend(), {"label": "l3"})
+    from hicache_storage.layers.metrics import _Collector
 
     registry.register(_Collector([first, second]))
     first.exists(keys(2))
@@ -128,8 +128,8 @@ def test_config_prometheus_publishes_on_the_default_registry_until_closed():
     from prometheus_client import REGISTRY
 
     label = "default-registry-test"
-    store = wrap(MemoryBackend(), [{"kind": "metrics", "label": label, "prometheus": True}])
-    other = wrap(MemoryBackend(), [{"kind": "metrics", "label": label + "-2", "prometheus": True}])
+    store = stack_layers(MemoryBackend(), [{"kind": "metrics", "label": label, "prometheus": True}])
+    other = stack_layers(MemoryBackend(), [{"kind": "metrics", "label": label + "-2", "prometheus": True}])
     store.exists(keys(4))
     assert REGISTRY.get_sample_value("hicache_storage_keys_total", {"backend": label, "operation": "exists"}) == 4
     assert REGISTRY.get_sample_value("hicache_storage_keys_total", {"backend": label + "-2", "operation": "exists"}) == 0
@@ -140,23 +140,23 @@ def test_config_prometheus_publishes_on_the_default_registry_until_closed():
 
 def test_missing_prometheus_client_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
-    store = MetricsWrapper(MemoryBackend())
+    store = MetricsLayer(MemoryBackend())
     store.exists(keys(1))  # counting needs nothing optional
     with pytest.raises(MissingDependencyError, match=r"hicache-storage\[metrics\]"):
         prometheus_text(store)
     with pytest.raises(MissingDependencyError):
-        MetricsWrapper(MemoryBackend(), {"prometheus": True})
+        MetricsLayer(MemoryBackend(), {"prometheus": True})
 
 
 @pytest.mark.parametrize("buckets", [[], [0.1, 0.1], [0.5, 0.1], [-1.0, 1.0]])
 def test_bad_buckets_are_config_errors(buckets):
     with pytest.raises(ConfigError, match="buckets"):
-        MetricsWrapper(MemoryBackend(), {"buckets": buckets})
+        MetricsLayer(MemoryBackend(), {"buckets": buckets})
 
 
 def test_find_the_metrics_layer_in_a_chain():
-    store = wrap(MemoryBackend(), [{"kind": "metrics"}, {"kind": "retry"}])
-    metrics = find_wrapper(store, MetricsWrapper)
+    store = stack_layers(MemoryBackend(), [{"kind": "metrics"}, {"kind": "retry"}])
+    metrics = find_layer(store, MetricsLayer)
     store.put(keys(1), [b"x"])
     assert metrics.snapshot()["operations"]["put"]["hits"] == 1
 
@@ -164,7 +164,7 @@ def test_find_the_metrics_layer_in_a_chain():
 def test_counts_are_exact_under_concurrent_callers():
     import threading
 
-    store = MetricsWrapper(MemoryBackend())
+    store = MetricsLayer(MemoryBackend())
     store.put(keys(2), [b"x" * 10] * 2)
 
     def hammer():

@@ -1,6 +1,6 @@
-"""The timeout wrapper: callers get control back from a hung store, and late calls touch no caller memory.
+"""The timeout layer: callers get control back from a hung store, and late calls touch no caller memory.
 
-Hangs are injected with the fault wrapper and released through its event, so no test depends on
+Hangs are injected with the fault layer and released through its event, so no test depends on
 how long anything takes: a hung call stays hung until the test releases it.
 """
 
@@ -20,7 +20,7 @@ from hicache_storage.errors import (
     StorageTimeoutError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
-from hicache_storage.wrappers import FaultInjectionWrapper, RetryWrapper, TimeoutWrapper
+from hicache_storage.layers import FaultInjectionLayer, RetryLayer, TimeoutLayer
 
 SCOPE = KeyScope(Namespace(model="timeout-tests", kv_dtype="bfloat16", page_size=16))
 SHORT = 0.2  # seconds a caller waits; every hang below lasts until the test releases it
@@ -65,11 +65,11 @@ class Gated(MemoryBackend):
 
 def hanging(operation: str, inner=None, workers: int = 2):
     """timeout(faults(memory)) where every ``operation`` call hangs until released."""
-    faults = FaultInjectionWrapper(inner or MemoryBackend(), {operation: {"hang_rate": 1.0}})
-    return TimeoutWrapper(faults, {"seconds": SHORT, "workers": workers}), faults
+    faults = FaultInjectionLayer(inner or MemoryBackend(), {operation: {"hang_rate": 1.0}})
+    return TimeoutLayer(faults, {"seconds": SHORT, "workers": workers}), faults
 
 
-def our_threads(store: TimeoutWrapper) -> list[threading.Thread]:
+def our_threads(store: TimeoutLayer) -> list[threading.Thread]:
     """The live worker threads of this very store (an earlier test's store may have the same name)."""
     named = [t for t in threading.enumerate() if t.name.startswith(f"hicache-{store.name}-")]
     return [t for t in named if getattr(getattr(t, "_target", None), "__self__", None) is store]
@@ -125,7 +125,7 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
             return super()._get_into(keys, targets)
 
     inner = HangsWhenAsked()
-    store = TimeoutWrapper(inner, {"seconds": SHORT, "workers": 2})
+    store = TimeoutLayer(inner, {"seconds": SHORT, "workers": 2})
     pool = store._staging
     store.put(keys(2), [b"1" * 512, b"2" * 512])
     assert store.get(keys(1), 512) == [b"1" * 512]
@@ -147,9 +147,9 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
 
 
 def test_beyond_max_abandoned_a_call_that_finds_no_free_worker_fails_at_once():
-    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
     # Nothing may be set aside: the timed-out call keeps the one worker.
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 1, "max_abandoned": 0})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 1, "max_abandoned": 0})
     store.put(keys(1), [b"p" * 64])
     errors = []
     caller = threading.Thread(target=lambda: errors.append(_raised(store.get, keys(1), 64)))
@@ -171,10 +171,10 @@ def test_beyond_max_abandoned_a_call_that_finds_no_free_worker_fails_at_once():
 
 
 def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_them():
-    """More calls than workers hang for good; once the store answers again, so does the wrapper."""
+    """More calls than workers hang for good; once the store answers again, so does the layer."""
     workers = 2
-    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": 4})
+    faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": 4})
     pages = {key: bytes([i + 1]) * 256 for i, key in enumerate(keys(4))}
     assert store.put(list(pages), list(pages.values())) == [True] * 4
 
@@ -210,8 +210,8 @@ def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_th
 
 def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at_once():
     workers, max_abandoned = 2, 3
-    faults = FaultInjectionWrapper(MemoryBackend(), {"get": {"hang_rate": 1.0}})
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": max_abandoned})
+    faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": max_abandoned})
     store.put(keys(1), [b"b" * 64])
     stuck = workers + max_abandoned
     for _ in range(stuck):  # 3 set aside, then 2 that keep their workers: the bound is reached
@@ -242,7 +242,7 @@ def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at
 
 def test_when_a_set_aside_call_returns_an_overdue_one_takes_its_place_and_frees_a_worker():
     gates = Gated(2)  # the first two reads hang, each until its own gate opens
-    store = TimeoutWrapper(gates, {"seconds": SHORT, "workers": 1, "max_abandoned": 1, "zero_copy": True})
+    store = TimeoutLayer(gates, {"seconds": SHORT, "workers": 1, "max_abandoned": 1, "zero_copy": True})
     store.put(keys(1), [b"g" * 32])
     with pytest.raises(StorageTimeoutError) as first:
         store.get(keys(1), 32)  # set aside
@@ -262,8 +262,8 @@ def test_when_a_set_aside_call_returns_an_overdue_one_takes_its_place_and_frees_
 
 
 def test_threads_stay_bounded_however_many_callers_hit_a_hung_store():
-    faults = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 3, "max_abandoned": 2})
+    faults = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 3, "max_abandoned": 2})
     results = []
     callers = [threading.Thread(target=lambda: results.append(_raised(store.exists, keys(1)))) for _ in range(20)]
     for caller in callers:
@@ -290,7 +290,7 @@ def test_a_timed_out_try_is_retried_and_the_retry_succeeds():
             return super()._get_into(keys, targets)
 
     inner = HangsOnce()
-    store = RetryWrapper(TimeoutWrapper(inner, {"seconds": SHORT, "workers": 2}), {"base_seconds": 0.001, "seed": 1})
+    store = RetryLayer(TimeoutLayer(inner, {"seconds": SHORT, "workers": 2}), {"base_seconds": 0.001, "seed": 1})
     store.put(keys(1), [b"v" * 100])
     assert store.get(keys(1), 100) == [b"v" * 100]
     stats = store.stats()
@@ -305,7 +305,7 @@ def test_inner_errors_reach_the_caller_unchanged(error):
         def _exists(self, keys):
             raise error
 
-    store = TimeoutWrapper(Failing(), {"seconds": 30})
+    store = TimeoutLayer(Failing(), {"seconds": 30})
     with pytest.raises(type(error)) as caught:
         store.exists(keys(1))
     assert caught.value is error
@@ -313,7 +313,7 @@ def test_inner_errors_reach_the_caller_unchanged(error):
 
 
 def test_reads_fill_every_segment_of_a_hit_and_leave_misses_alone():
-    store = TimeoutWrapper(MemoryBackend(), {"seconds": 30})
+    store = TimeoutLayer(MemoryBackend(), {"seconds": 30})
     page = bytes(range(64))
     store.put(keys(1), [page])
     head, tail = bytearray(10), bytearray(54)
@@ -379,7 +379,7 @@ def test_the_level_below_is_never_closed_under_a_running_call(returns):
     level below is closed only once no call runs in it: at once when they return within the
     wait, else by the call that returns last."""
     inner = BlockingExists()
-    store = TimeoutWrapper(inner, {"seconds": 5.0 if returns == "within_the_close_wait" else SHORT, "workers": 2})
+    store = TimeoutLayer(inner, {"seconds": 5.0 if returns == "within_the_close_wait" else SHORT, "workers": 2})
     callers = [threading.Thread(target=_raised, args=(store.exists, keys(1))) for _ in range(2)]
     for caller in callers:
         caller.start()
@@ -414,7 +414,7 @@ def test_close_returns_when_the_inner_close_hangs(caplog):
         def _close(self):
             release.wait(60)
 
-    store = TimeoutWrapper(StuckClose(), {"seconds": SHORT})
+    store = TimeoutLayer(StuckClose(), {"seconds": SHORT})
     with caplog.at_level(logging.WARNING):
         store.close()
     assert store.closed
@@ -432,7 +432,7 @@ def _raised(fn, *args):
 
 
 def test_staging_memory_kept_for_reuse_is_bounded():
-    store = TimeoutWrapper(MemoryBackend(), {"seconds": 30, "staging_cache_bytes": 1000})
+    store = TimeoutLayer(MemoryBackend(), {"seconds": 30, "staging_cache_bytes": 1000})
     store.put(keys(2), [b"a" * 600, b"b" * 600])
     assert store.get(keys(1), 600) == [b"a" * 600]
     assert store.get(keys(2), 600) == [b"a" * 600, b"b" * 600]
@@ -441,7 +441,7 @@ def test_staging_memory_kept_for_reuse_is_bounded():
 
 
 def test_a_staging_buffer_is_never_lent_twice_at_once():
-    from hicache_storage.wrappers.timeout import _StagingPool
+    from hicache_storage.layers.timeout import _StagingPool
 
     pool = _StagingPool(10_000)
     pages = [[memoryview(bytearray(100))]]
@@ -460,8 +460,8 @@ def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_retu
 
     Whether a given call times out depends on timing; what is asserted never does.
     """
-    faults = FaultInjectionWrapper(MemoryBackend(), {"seed": 5, "get": {"hang_rate": 0.3, "hang_seconds": 0.03}})
-    store = TimeoutWrapper(faults, {"seconds": 0.005, "workers": 3, "max_abandoned": 3})
+    faults = FaultInjectionLayer(MemoryBackend(), {"seed": 5, "get": {"hang_rate": 0.3, "hang_seconds": 0.03}})
+    store = TimeoutLayer(faults, {"seconds": 0.005, "workers": 3, "max_abandoned": 3})
     pages = {key: bytes([i + 1]) * 2048 for i, key in enumerate(keys(8))}
     for key, value in pages.items():
         faults.inner.put([key], [value])
@@ -517,7 +517,7 @@ class ZeroCopySpy(SpyMemory):
 
 def test_zero_copy_reads_and_writes_hand_the_callers_own_buffers_to_the_store():
     spy = ZeroCopySpy()
-    store = TimeoutWrapper(spy, {"seconds": 30, "zero_copy": True})
+    store = TimeoutLayer(spy, {"seconds": 30, "zero_copy": True})
     source = bytearray(b"zero-copy page!!" * 64)
     head, tail = bytearray(400), bytearray(624)
     assert store.put_from(keys(1), [source]) == [True]
@@ -533,15 +533,15 @@ def test_zero_copy_reads_and_writes_hand_the_callers_own_buffers_to_the_store():
 
 def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
     spy = ZeroCopySpy()
-    store = TimeoutWrapper(spy, {"zero_copy": True})
+    store = TimeoutLayer(spy, {"zero_copy": True})
     assert store.capabilities == spy.capabilities.replace(bounded_calls=True)  # and it bounds every call
     pool = bytearray(4096)
     store.register_buffer(pool)
     assert [view.obj for view in spy.registered] == [pool]
     store.close()
 
-    hung = FaultInjectionWrapper(ZeroCopySpy(), {"register_buffer": {"hang_rate": 1.0}})
-    bounded = TimeoutWrapper(hung, {"seconds": SHORT, "zero_copy": True})
+    hung = FaultInjectionLayer(ZeroCopySpy(), {"register_buffer": {"hang_rate": 1.0}})
+    bounded = TimeoutLayer(hung, {"seconds": SHORT, "zero_copy": True})
     with pytest.raises(StorageTimeoutError):  # a hung registration cannot block the caller either
         bounded.register_buffer(pool)
     hung.release_hangs()
@@ -550,7 +550,7 @@ def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
     bounded.close()
 
     staged_spy = ZeroCopySpy()
-    staged = TimeoutWrapper(staged_spy)  # the default mode: the inner sees no caller memory
+    staged = TimeoutLayer(staged_spy)  # the default mode: the inner sees no caller memory
     caps = staged.capabilities
     assert not (caps.zero_copy_read or caps.zero_copy_write or caps.buffer_registration)
     staged.register_buffer(pool)
@@ -560,8 +560,8 @@ def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
 
 def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_the_callers_buffer():
     spy = ZeroCopySpy()
-    faults = FaultInjectionWrapper(spy, {"get": {"hang_rate": 1.0}})
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "workers": 2, "zero_copy": True})
+    faults = FaultInjectionLayer(spy, {"get": {"hang_rate": 1.0}})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 2, "zero_copy": True})
     page = bytes(range(256)) * 4
     assert store.put(keys(1), [page]) == [True]
     target = bytearray(len(page))
@@ -590,8 +590,8 @@ def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_th
 
 def test_a_hung_zero_copy_write_reads_the_callers_source_until_it_settles():
     spy = ZeroCopySpy()
-    faults = FaultInjectionWrapper(spy, {"put": {"hang_rate": 1.0}})
-    store = TimeoutWrapper(faults, {"seconds": SHORT, "zero_copy": True})
+    faults = FaultInjectionLayer(spy, {"put": {"hang_rate": 1.0}})
+    store = TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True})
     source = bytearray(b"first" * 100)
     with pytest.raises(StorageTimeoutError) as caught:
         store.put_from(keys(1), [source])
@@ -607,12 +607,12 @@ def test_a_hung_zero_copy_write_reads_the_callers_source_until_it_settles():
 
 
 def test_calls_without_buffers_and_staged_calls_carry_no_settled_event():
-    faults = FaultInjectionWrapper(MemoryBackend(), {"exists": {"hang_rate": 1.0}, "get": {"hang_rate": 1.0}})
-    zero_copy = TimeoutWrapper(faults, {"seconds": SHORT, "zero_copy": True})
+    faults = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}, "get": {"hang_rate": 1.0}})
+    zero_copy = TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True})
     with pytest.raises(StorageTimeoutError) as exists_error:
         zero_copy.exists(keys(1))
     assert exists_error.value.settled is None  # no caller buffer to protect
-    staged = TimeoutWrapper(faults, {"seconds": SHORT})
+    staged = TimeoutLayer(faults, {"seconds": SHORT})
     with pytest.raises(StorageTimeoutError) as get_error:
         staged.get(keys(1), 8)
     assert get_error.value.settled is None  # the store only ever saw a staging buffer
@@ -625,14 +625,14 @@ def test_calls_without_buffers_and_staged_calls_carry_no_settled_event():
     staged.close()
 
 
-class WorkersStartLate(TimeoutWrapper):
-    """A timeout wrapper whose worker threads start only when the test says so."""
+class WorkersStartLate(TimeoutLayer):
+    """A timeout layer whose worker threads start only when the test says so."""
 
     go = None
 
     def _start_threads(self, count):
         go = self.go
-        threading.Thread(target=lambda: (go.wait(60), TimeoutWrapper._start_threads(self, count)), daemon=True).start()
+        threading.Thread(target=lambda: (go.wait(60), TimeoutLayer._start_threads(self, count)), daemon=True).start()
 
 
 def test_a_call_dropped_before_a_worker_started_it_is_settled_at_once_and_never_runs():
@@ -657,7 +657,7 @@ def test_a_call_dropped_before_a_worker_started_it_is_settled_at_once_and_never_
 
 
 def test_pages_of_a_mebibyte_and_more_round_trip_through_staging():
-    store = TimeoutWrapper(MemoryBackend(), {"seconds": 30})
+    store = TimeoutLayer(MemoryBackend(), {"seconds": 30})
     pages = [bytes([n]) * (3 * 2**20 + n) for n in (1, 2)]
     assert store.put(keys(2), pages) == [True, True]
     assert store.get(keys(2)[:1], len(pages[0])) == [pages[0]]
