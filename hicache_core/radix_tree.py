@@ -21,11 +21,12 @@ Invariants (``check_invariants`` verifies them in tests):
 * a node with neither copy exists only transiently (buffer-only staging) and ends a match.
 
 The records (nodes, match and insert results, the component protocol) are in
-:mod:`hicache_core.tree_node`; eviction, which the tree inherits, in :mod:`hicache_core.tree_eviction`,
-and the invariant check in :mod:`hicache_core.tree_invariants`.
+:mod:`hicache_core.tree_node`. Eviction is a collaborator the tree holds and forwards to
+(``evictor``, a :class:`~hicache_core.tree_eviction.TreeEvictor`): it chooses what to free, and
+deletes nodes through ``remove_leaf``, which keeps the page-hash index and the components right.
 
 Not thread-safe: the scheduler thread owns the tree. Freed slots go to the ``free_device`` /
-``free_host`` callbacks; the tree never touches pool memory.
+``free_host`` callbacks (through the evictor); the tree never touches pool memory.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from hicache_storage.keys import page_hashes
+
 from hicache_core.token_sequence import TokenSequence, chain_page_hashes
-from hicache_core.tree_eviction import TreeEviction
-from hicache_core.tree_invariants import TreeInvariants
+from hicache_core.tree_eviction import TreeEvictor
 from hicache_core.tree_node import (
     Component,
     HostInsertResult,
     InsertResult,
     MatchResult,
     TreeNode,
+    descendants,
     path_nodes,
     path_device_slots,
 )
@@ -54,7 +57,7 @@ __all__ = ["Component", "HostInsertResult", "InsertResult", "MatchResult", "Radi
 INDEX_STRIDE_TOKENS = 256
 
 
-class RadixTree(TreeEviction, TreeInvariants):
+class RadixTree:
     """Radix tree over whole pages of token ids.
 
     Lookups take any ``Sequence[int]``. A :class:`~hicache_core.token_sequence.TokenSequence` with
@@ -79,8 +82,6 @@ class RadixTree(TreeEviction, TreeInvariants):
         self.page_size = page_size
         #: Hybrid models' extra state (see :class:`Component`); empty for plain attention.
         self.components = tuple(components)
-        self._free_device = free_device
-        self._free_host = free_host or _no_host
         self._clock = clock
         self.root = TreeNode((), None, [], clock())
         self.root.device_value = torch.empty(0, dtype=torch.int64)
@@ -94,6 +95,8 @@ class RadixTree(TreeEviction, TreeInvariants):
         self._by_hash: dict[str, TreeNode] = {}
         #: How many unlocks and host releases there were: what may make memory evictable.
         self.releases = 0
+        #: Chooses what to free when memory is short; the freed slots go to the callbacks.
+        self.evictor = TreeEvictor(self.root, self.remove_leaf, free_device, free_host or _no_host)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -350,6 +353,48 @@ class RadixTree(TreeEviction, TreeInvariants):
     def _index(self, node: TreeNode) -> None:
         self._by_hash.update(dict.fromkeys(self._indexed_hashes(node), node))
 
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Take a childless node out of the tree (the evictor deletes nodes through this): out of
+        its parent's children and the page-hash index, its components' state released, its
+        access time handed to the parent (see ``settle_recency``)."""
+        parent = node.parent
+        assert parent is not None and not node.children, node
+        del parent.children[node.key[: self.page_size]]
+        index = self._by_hash
+        for page_hash in self._indexed_hashes(node):
+            del index[page_hash]
+        for component in self.components:
+            component.release(node)
+        if parent.last_access < node.last_access:
+            parent.last_access = node.last_access
+        node.parent = None
+
+    # --- eviction (see hicache_core.tree_eviction) --------------------------------------------
+
+    def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
+        """Free at least ``num_tokens`` device slots; see :meth:`~hicache_core.tree_eviction.TreeEvictor.evict_device`."""
+        return self.evictor.evict_device(num_tokens, backup)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots; see :meth:`~hicache_core.tree_eviction.TreeEvictor.evict_host`."""
+        return self.evictor.evict_host(num_tokens)
+
+    def drop_host_value(self, node: TreeNode) -> None:
+        """Free ``node``'s host copy now (buffer-only staging done); prunes it if nothing is left."""
+        self.evictor.drop_host_value(node)
+
+    def prune(self, node: TreeNode) -> None:
+        """Delete ``node`` and valueless ancestors that have no children and no references."""
+        self.evictor.prune(node)
+
+    def settle_recency(self) -> set[TreeNode]:
+        """Give every node its subtree's latest access time; return the session-referenced nodes.
+
+        Every eviction starts here, a component's too; see
+        :meth:`~hicache_core.tree_eviction.TreeEvictor.settle_recency`.
+        """
+        return self.evictor.settle_recency()
+
     # --- references ---------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
@@ -427,11 +472,7 @@ class RadixTree(TreeEviction, TreeInvariants):
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return descendants(self.root)
 
     def token_counts(self) -> dict[str, int]:
         counts = {"device": 0, "host": 0, "nodes": 0}
@@ -440,6 +481,39 @@ class RadixTree(TreeEviction, TreeInvariants):
             counts["device"] += len(node.key) if node.device_value is not None else 0
             counts["host"] += len(node.key) if node.host_value is not None else 0
         return counts
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the tree breaks an invariant (see the module docstring; tests call this)."""
+        page_size = self.page_size
+        indexed = 0
+
+        def visit(node: TreeNode, path: tuple[int, ...]) -> tuple[int, int]:
+            nonlocal indexed
+            locks, host_refs = 0, 0
+            for first, child in node.children.items():
+                assert child.parent is node and child.key[:page_size] == first, child
+                assert len(child.key) % page_size == 0 and child.key, child
+                full = path + child.key
+                assert child.end == len(full), child
+                assert child.page_hashes == page_hashes(full, page_size)[len(path) // page_size :], child
+                indexed_hashes = self._indexed_hashes(child)
+                assert all(self._by_hash.get(h) is child for h in indexed_hashes), f"{child} not indexed by its page hashes"
+                indexed += len(indexed_hashes)
+                if child.device_value is not None:
+                    assert node.device_value is not None, f"{child} on device under {node} off device"
+                    assert child.device_value.numel() == len(child.key)
+                if child.host_value is not None:
+                    assert child.host_value.numel() == len(child.key)
+                sub_locks, sub_host = visit(child, full)
+                assert child.lock_ref >= sub_locks and child.host_ref >= sub_host, child
+                assert 0 <= child.host_io <= child.host_ref, child
+                assert child.host_io == 0 or child.host_value is not None, f"{child}: I/O on host pages it lacks"
+                locks += child.lock_ref
+                host_refs += child.host_ref
+            return locks, host_refs
+
+        visit(self.root, ())
+        assert indexed == len(self._by_hash), "the page-hash index holds pages of nodes no longer in the tree"
 
     def _check_aligned(self, length: int) -> None:
         if length % self.page_size:

@@ -1,35 +1,40 @@
 """Eviction from the radix tree: least recently used first, sessions' prefixes last, never a locked node.
 
-:class:`TreeEviction` is the eviction half of :class:`~hicache_core.radix_tree.RadixTree` (which
-inherits it): freeing device and host copies, deleting nodes with nothing left, and the recency
-and session-reference pass every eviction (the tree's and the components') starts with.
+:class:`TreeEvictor` chooses what leaves the tree's tiers and in what order, and hands the freed
+device and host slots to the tree's ``free_device`` / ``free_host`` callbacks. The tree holds one
+(``RadixTree.evictor``) and forwards its eviction methods to it; it keeps its own structure: a
+node the evictor deletes leaves through the tree's ``remove_leaf``, which keeps the children,
+the page-hash index and the components right. The evictor reads nodes from the root down.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from hicache_core.tree_node import Component, TreeNode
+from hicache_core.tree_node import TreeNode, descendants
 
 
-class TreeEviction:
-    """Eviction over a tree's nodes (see ``RadixTree`` for the attributes it reads)."""
+class TreeEvictor:
+    """Frees device and host copies of a tree's nodes, and deletes nodes left with neither.
 
-    root: TreeNode
-    page_size: int
-    components: tuple[Component, ...]
-    _free_device: Callable[[torch.Tensor], None]
-    _free_host: Callable[[torch.Tensor], None]
-    _by_hash: dict[str, TreeNode]
+    ``root`` is the tree's root; ``remove_leaf`` takes a childless node out of the tree;
+    ``free_device`` and ``free_host`` receive every slot freed. Single-threaded, like the tree.
+    """
 
-    def nodes(self) -> Iterator[TreeNode]:
-        raise NotImplementedError
-
-    def _indexed_hashes(self, node: TreeNode) -> list[str]:
-        raise NotImplementedError
+    def __init__(
+        self,
+        root: TreeNode,
+        remove_leaf: Callable[[TreeNode], None],
+        free_device: Callable[[torch.Tensor], None],
+        free_host: Callable[[torch.Tensor], None],
+    ) -> None:
+        self.root = root
+        self._remove_leaf = remove_leaf
+        self._free_device = free_device
+        self._free_host = free_host
 
     def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
         """Free at least ``num_tokens`` device slots from least recently used unlocked leaves.
@@ -42,7 +47,7 @@ class TreeEviction:
         Returns the number of device tokens freed (less than asked when too much is locked).
         """
         referenced = self.settle_recency()
-        heap = [(n in referenced, n.last_access, n.id, n) for n in self.nodes() if self._device_evictable(n)]
+        heap = [(n in referenced, n.last_access, n.id, n) for n in descendants(self.root) if self._device_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -72,7 +77,7 @@ class TreeEviction:
         among referenced nodes it is the other way round (see ``_host_rank``).
         """
         referenced = self.settle_recency()
-        heap = [self._host_rank(n, referenced) for n in self.nodes() if self._host_evictable(n)]
+        heap = [self._host_rank(n, referenced) for n in descendants(self.root) if self._host_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -109,8 +114,7 @@ class TreeEviction:
         ):
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[: self.page_size]]
-            self._forget(node, parent)
+            self._remove_leaf(node)
             node = parent
 
     def settle_recency(self) -> set[TreeNode]:
@@ -122,7 +126,7 @@ class TreeEviction:
         Whatever reaches a node went through all its ancestors, so an ancestor was used at least
         as recently as any descendant. A match stamps only the deepest node it reached (no walk
         along the path); the path's times are filled in here, once per eviction, which visits
-        every node anyway. Deleted nodes hand their time to their parent (``_forget``).
+        every node anyway. Deleted nodes hand their time to their parent (the tree's ``remove_leaf``).
 
         A node is referenced when it or a descendant has ``session_refs``: worked out here in
         the same bottom-up pass, so a session reference costs nothing per match or insert. The
@@ -130,7 +134,7 @@ class TreeEviction:
         ancestors counted as referenced until the next eviction.
         """
         referenced: set[TreeNode] = set()
-        for node in reversed(list(self.nodes())):
+        for node in reversed(list(descendants(self.root))):
             parent = node.parent
             if parent is not None and parent.last_access < node.last_access:
                 parent.last_access = node.last_access
@@ -180,11 +184,10 @@ class TreeEviction:
         held = node.host_ref
         assert node.lock_ref == 0 and node.host_io == 0, node
         if held and node.parent is not None:
-            for ancestor in self._path_up(node.parent):
+            ancestor: TreeNode | None = node.parent
+            while ancestor is not self.root and ancestor is not None:
                 ancestor.host_ref -= held
-
-    def _path_up(self, node: TreeNode) -> Iterator[TreeNode]:
-        raise NotImplementedError
+                ancestor = ancestor.parent
 
     def _delete_subtree(self, node: TreeNode) -> None:
         """Remove ``node`` (no device copy left) and its descendants, freeing their host copies
@@ -198,19 +201,6 @@ class TreeEviction:
         if node.host_value is not None:
             self._free_host(node.host_value)
             node.host_value = None
-        parent = node.parent
-        if parent is not None:
-            del parent.children[node.key[: self.page_size]]
-            self._forget(node, parent)
+        if node.parent is not None:
+            self._remove_leaf(node)
         node.children = {}
-
-    def _forget(self, node: TreeNode, parent: TreeNode) -> None:
-        """Detach a deleted (childless) node: drop its pages from the index, keep its access time."""
-        index = self._by_hash
-        for page_hash in self._indexed_hashes(node):
-            del index[page_hash]
-        for component in self.components:
-            component.release(node)
-        if parent.last_access < node.last_access:
-            parent.last_access = node.last_access
-        node.parent = None

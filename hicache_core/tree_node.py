@@ -6,6 +6,7 @@ See :mod:`hicache_core.radix_tree` for the tree that holds them and its invarian
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -154,6 +155,15 @@ class HostInsertResult:
 
     inserted_tokens: int
     unused: list[torch.Tensor]
+
+
+def descendants(root: TreeNode) -> Iterator[TreeNode]:
+    """Every node below ``root``, parents before children."""
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 
 def path_nodes(node: TreeNode, root: TreeNode) -> list[TreeNode]:
