@@ -2,7 +2,8 @@
 
 * **Write policies** (device -> host): ``write_through`` backs a node up when it is inserted,
   ``write_through_selective`` once it has been hit ``selective_hits`` times (default 2),
-  ``write_back`` only when it is evicted from the device. The copies: :mod:`hicache_core.host_writes`.
+  ``write_back`` only when it is evicted from the device. The copies are the controller's host
+  writer's (``host_writer``, :mod:`hicache_core.host_writes`).
 * **Backup** (host -> storage): queued when a device -> host copy completes, run by the backup
   thread (:mod:`hicache_core.backup`) in batches of at most ``batch_pages``; pages already
   stored (a live ``prefix_exists``) are skipped, except pages a prefetch found unreadable
@@ -37,7 +38,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,7 @@ from hicache_storage.multipool import MultiPoolStore, PoolSpec
 from hicache_storage.wrappers import stack_layers
 
 from hicache_core.backup import BackupOp, StorageBackup
-from hicache_core.host_writes import HostWrites, PendingWrite
+from hicache_core.host_writes import HostWriter
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pin_cap import PinCap
 from hicache_core.pools import DevicePool, HostPool
@@ -97,7 +97,7 @@ class ControllerConfig:
             raise ValueError(f"abandoned_pages_fraction must be between 0 and 1, got {self.abandoned_pages_fraction}")
 
 
-class CacheController(HostWrites):
+class CacheController:
     def __init__(
         self,
         config: ControllerConfig,
@@ -123,13 +123,28 @@ class CacheController(HostWrites):
         self.store: MultiPoolStore | None = None
         #: Whether the attached store is still called; a fresh one per attachment.
         self.storage_health: StorageHealth | None = None
-        self._pending_writes: deque[PendingWrite] = deque()
         #: Device -> host copies and storage backups applied so far (agreed across ranks).
         self.completions = 0
         #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
         #: Loads in flight: the load, its target node, where its range starts, the nodes it fills.
         self._loads: list[tuple[LayerLoad, TreeNode, int, list[TreeNode]]] = []
-        self._warned_host_too_small = False
+        #: Device -> host copies (none without a host pool).
+        self.host_writer = (
+            HostWriter(
+                tree,
+                host,
+                self.transfers,
+                page_size=self.page_size,
+                components=self.components,
+                metrics=self.metrics,
+                ranks=self.tp.scheduler,
+                alloc_host=self.alloc_host,
+                on_copied=self._queue_storage_backup,
+                make_room=self._wait_for_staging if config.buffer_only else None,
+            )
+            if host is not None and self.transfers is not None
+            else None
+        )
         #: Room for host pages that abandoned storage calls pin (see ``abandoned_pages_fraction``);
         #: without a storage timeout the controller abandons no call, so there is no cap.
         cap = None if config.storage_timeout_s is None or host is None else int(host.num_pages * config.abandoned_pages_fraction)
@@ -219,7 +234,8 @@ class CacheController(HostWrites):
     @property
     def io_pending(self) -> bool:
         """Whether copies or backups are in flight (their completion may make memory evictable)."""
-        return bool(self._pending_writes) or (self.backup is not None and self.backup.outstanding > 0)
+        writer = self.host_writer
+        return (writer is not None and writer.in_flight) or (self.backup is not None and self.backup.outstanding > 0)
 
     # --- device and host memory ---------------------------------------------------------------
 
@@ -244,7 +260,8 @@ class CacheController(HostWrites):
 
     def on_insert(self, result: InsertResult) -> None:
         """Apply the write policy to the nodes of the inserted path (and backfill components)."""
-        if self.host is None:
+        writer = self.host_writer
+        if writer is None:
             return
         policy = self.config.write_policy
         for node in self.tree.path(result.last_node):
@@ -259,7 +276,19 @@ class CacheController(HostWrites):
                 # way to prefetches): copying it again would only find it stored.
                 continue
             if policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.config.selective_hits:
-                self.write_to_host(node)
+                writer.write(node)
+
+    def _backup_on_evict(self, node: TreeNode) -> bool:
+        """Write-back: copy an evicted node to the host before its device copy goes."""
+        assert self.host_writer is not None
+        return self.host_writer.write(node, wait=True)
+
+    def _wait_for_staging(self) -> bool:
+        """Buffer-only, no host page free: wait for the pages on their way to storage (whether there were any)."""
+        if not self.io_pending:
+            return False
+        self.drain()
+        return True
 
     def _backfill(self, node: TreeNode) -> None:
         """Back up components' state that appeared on ``node`` after its FULL KV was backed up."""
@@ -299,8 +328,6 @@ class CacheController(HostWrites):
             for component in self.components if components else ():
                 component.drop(node, device=False)
             self.tree.drop_host_value(node)
-
-    # --- reads: storage -> host ---------------------------------------------------------------
 
     # --- host -> device ----------------------------------------------------------------------
 
@@ -366,7 +393,8 @@ class CacheController(HostWrites):
 
     def poll(self) -> None:
         """Apply finished device -> host copies, storage backups and prefetches left to land (counts agreed across ranks)."""
-        self._ack_writes()
+        if self.host_writer is not None:
+            self.completions += self.host_writer.acknowledge()
         if self.prefetcher is not None:
             self.prefetcher.land()
         backup = self.backup

@@ -1,34 +1,31 @@
-"""Device -> host copies, the first step of every backup: :class:`HostWrites` is that half of
-:class:`~hicache_core.controller.CacheController` (which inherits it; the write policies that
-call it are described there).
+"""Device -> host copies, the first step of every backup: :class:`HostWriter`, which the cache
+controller holds (``CacheController.host_writer``; the write policies that call it are described
+in :mod:`hicache_core.controller`).
 
 A copy runs off the scheduler thread (a CUDA side stream, or the copier thread on the CPU). Until
-it is acknowledged (:meth:`HostWrites._ack_writes`, from ``poll``, in order and agreed across
-ranks) the node stays on the device and its host pages are protected; then its storage backup is
-queued, or a copy that failed is dropped so that its pages are never served.
+it is acknowledged (:meth:`HostWriter.acknowledge`, from the controller's ``poll``, in order and
+agreed across ranks) the node stays on the device and its host pages are protected; then the
+controller is handed every node now holding the copy (it queues their storage backups), or a
+copy that failed is dropped so that its pages are never served.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import RadixTree, TreeNode
-from hicache_core.side_pools import PendingCopy
-from hicache_core.tp import TPContext
+from hicache_core.side_pools import PendingCopy, TieredComponent
+from hicache_core.tp import RankGroup
 from hicache_core.transfer import CopyDone, Transfers
 
-if TYPE_CHECKING:
-    from hicache_core.controller import ControllerConfig
-    from hicache_core.side_pools import TieredComponent
-
-log = logging.getLogger("hicache_core.controller")  # the channel its warnings had before they moved here
+log = logging.getLogger("hicache_core.controller")  # its warnings are the controller's to the user
 
 
 @dataclass(eq=False)
@@ -44,37 +41,55 @@ class PendingWrite:
     components: list[PendingCopy] = field(default_factory=list)
 
 
-class HostWrites:
-    """The device -> host copies of a controller (see ``CacheController`` for the attributes it reads)."""
+class HostWriter:
+    """Copies nodes' device KV (and their components' state) to new host pages.
 
-    config: ControllerConfig
-    tree: RadixTree
-    host: HostPool | None
-    transfers: Transfers | None
-    metrics: CacheMetrics
-    tp: TPContext
-    page_size: int
-    components: tuple[TieredComponent, ...]
-    completions: int
-    _pending_writes: deque[PendingWrite]
-    _warned_host_too_small: bool
+    ``alloc_host`` finds host pages (evicting); ``make_room``, when given (buffer-only mode),
+    waits for pages on their way to storage when none are free and says whether there were any;
+    ``on_copied`` receives each node holding a completed copy. ``ranks`` agrees how many copies
+    completed (the scheduler thread's group). Scheduler thread only.
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        host: HostPool,
+        transfers: Transfers,
+        *,
+        page_size: int,
+        components: tuple[TieredComponent, ...],
+        metrics: CacheMetrics,
+        ranks: RankGroup,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        on_copied: Callable[[TreeNode], None],
+        make_room: Callable[[], bool] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.host = host
+        self.transfers = transfers
+        self.page_size = page_size
+        self.components = components
+        self.metrics = metrics
+        self.ranks = ranks
+        self._alloc_host = alloc_host
+        self._on_copied = on_copied
+        self._make_room = make_room
+        #: Copies not yet acknowledged, in the order they started.
+        self._pending: deque[PendingWrite] = deque()
+        self._warned_host_too_small = False
 
     @property
-    def io_pending(self) -> bool:
-        raise NotImplementedError
+    def in_flight(self) -> bool:
+        """Whether copies wait to be acknowledged (their completion may make memory evictable)."""
+        return bool(self._pending)
 
-    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        raise NotImplementedError
+    def write(self, node: TreeNode, *, wait: bool = False) -> bool:
+        """Copy ``node``'s device KV to new host pages; False when no host pages could be found.
 
-    def drain(self, poll_interval_s: float = 0.001) -> None:
-        raise NotImplementedError
-
-    def _queue_storage_backup(self, node: TreeNode, *, full: bool = True) -> None:
-        raise NotImplementedError
-
-    def write_to_host(self, node: TreeNode, *, wait: bool = False) -> bool:
-        """Copy ``node``'s device KV to new host pages; storage backup follows when the copy completes."""
-        assert self.transfers is not None and self.host is not None and node.device_value is not None
+        With ``wait`` the copy completes before this returns (a write-back eviction); it is still
+        acknowledged in order. Otherwise the node is locked and its host pages protected until then.
+        """
+        assert node.device_value is not None
         capacity = self.host.allocator.num_pages * self.page_size
         if 0 < capacity < len(node.key):
             # The node can never fit: back up its head, which is what a later prefix match uses.
@@ -86,11 +101,10 @@ class HostWrites:
                     len(node.key), capacity, capacity,
                 )
             node = self.tree.boundary(node, node.end - len(node.key) + capacity)
-        host_slots = self.alloc_host(len(node.key))
-        if host_slots is None and self.config.buffer_only and self.io_pending:
+        host_slots = self._alloc_host(len(node.key))
+        if host_slots is None and self._make_room is not None and self._make_room():
             # Staging is full of pages on their way to storage: wait for them rather than skip the backup.
-            self.drain()
-            host_slots = self.alloc_host(len(node.key))
+            host_slots = self._alloc_host(len(node.key))
         if host_slots is None:
             return False
         done = self.transfers.backup(node.device_value, host_slots)
@@ -103,39 +117,36 @@ class HostWrites:
         if not wait:
             self.tree.lock(node)  # the device copy stays until the host copy is complete
             self.tree.protect_host(node, begin)  # and the host pages it is written into
-            self._pending_writes.append(PendingWrite(node, done, True, begin, copies))
+            self._pending.append(PendingWrite(node, done, True, begin, copies))
             return True
         done.synchronize()
-        if self._pending_writes:  # complete, but acknowledged in order after the copies before it
-            self._pending_writes.append(PendingWrite(node, done, False, begin))
+        if self._pending:  # complete, but acknowledged in order after the copies before it
+            self._pending.append(PendingWrite(node, done, False, begin))
         else:
             self._write_completed(node, done, begin)
         return True
 
-    def _backup_on_evict(self, node: TreeNode) -> bool:
-        return self.write_to_host(node, wait=True)
-
-    def _ack_writes(self) -> None:
-        """Apply completed device -> host copies, in order, as many as every rank has completed."""
+    def acknowledge(self) -> int:
+        """Apply completed copies, in order, as many as every rank has completed; returns how many."""
         ready = 0
-        for pending in self._pending_writes:
+        for pending in self._pending:
             if not pending.done.query() or not all(copy.done.query() for copy in pending.components):
                 break
             ready += 1
-        ready = self.tp.scheduler.all_min(ready)
-        self.completions += ready
+        ready = self.ranks.all_min(ready)
         for _ in range(ready):
-            pending = self._pending_writes.popleft()
+            pending = self._pending.popleft()
             for copy in pending.components:
                 copy.settle(getattr(copy.done, "error", None) is not None)
             if pending.locked:
                 self.tree.unlock(pending.node)
                 self.tree.release_host(pending.node, pending.begin)
             self._write_completed(pending.node, pending.done, pending.begin)
+        return ready
 
     def _write_completed(self, node: TreeNode, done: CopyDone | torch.cuda.Event, begin: int) -> None:
-        """A device -> host copy of the tokens from ``begin`` to ``node.end`` finished: queue the
-        storage backup of every node now holding them, or drop a copy that failed."""
+        """A device -> host copy of the tokens from ``begin`` to ``node.end`` finished: hand
+        every node now holding them to ``on_copied``, or drop a copy that failed."""
         copied = [n for n in (self.tree.path(node) if self.tree.in_tree(node) else [node]) if n.end - len(n.key) >= begin]
         if isinstance(done, CopyDone):
             self.metrics.add(host_backup_seconds=done.seconds)
@@ -145,4 +156,4 @@ class HostWrites:
                     self.tree.drop_host_value(part)
                 return
         for part in copied:
-            self._queue_storage_backup(part)
+            self._on_copied(part)
