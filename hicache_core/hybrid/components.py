@@ -29,6 +29,7 @@ only read and write host slots they were handed, pinned).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,11 +55,12 @@ class Copies:
         return self.device if device else self.host
 
 
-class PooledComponent:
+class PooledComponent(ABC):
     """State in slots of a device allocator and a host allocator, kept per node and evicted LRU.
 
-    Subclasses say how a split divides the slots (``split``) and when a boundary is usable
-    (``accepts``). ``free_*`` hand slots back to the allocators; the tree calls ``release``.
+    Subclasses say how a split divides the slots (``split``), when a boundary is usable
+    (``accepts``), and how L3 names and places the state (``pool_spec``, ``stored_hashes``,
+    ``place``). ``free_*`` hand slots back to the allocators; the tree calls ``release``.
     """
 
     name = "component"
@@ -116,11 +118,13 @@ class PooledComponent:
 
     # --- the tree's hooks ------------------------------------------------------------------
 
+    @abstractmethod
     def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
-        raise NotImplementedError
+        """``lower`` was cut after ``length`` tokens: give ``upper`` its part of the state."""
 
+    @abstractmethod
     def accepts(self, node: TreeNode, on_device: bool) -> bool:
-        raise NotImplementedError
+        """Whether a request can resume at ``node.end`` with this state (see ``Component.accepts``)."""
 
     def release(self, node: TreeNode) -> None:
         self.drop(node, True)
@@ -165,13 +169,13 @@ class PooledComponent:
 
     # --- tier copies (the controller's and the prefetcher's side of a component) --------------
 
+    @abstractmethod
     def pool_spec(self, page_size: int) -> PoolSpec:
         """How L3 holds this state: its pool's key part and hit policy."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stored_hashes(self, node: TreeNode) -> list[str]:
         """The page hashes naming ``node``'s state in L3, one per value of ``host_buffers``."""
-        raise NotImplementedError
 
     def back_up(self, node: TreeNode, pending: list[PendingCopy] | None = None) -> bool:
         """Copy ``node``'s device state to new host slots if the host lacks it; whether it did.
@@ -235,10 +239,10 @@ class PooledComponent:
         assert self.memory is not None
         return self.memory.host_buffers(slots)
 
+    @abstractmethod
     def place(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Give state fetched for a cut at ``node.end`` (the trailing pages' values, in
         ``slots``) to the nodes it belongs to; slots a node already has state for are freed."""
-        raise NotImplementedError
 
     def materialize(self, node: TreeNode) -> bool:
         """Bring to the device what resuming at ``node.end`` needs; False if device memory is short."""
