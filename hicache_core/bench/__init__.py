@@ -1,1 +1,9 @@
-"""The multi-turn benchmark behind `hicache-storage bench`: workload, runner, report."""
+"""The multi-turn benchmark behind ``hicache-storage bench``. Modules:
+
+  :mod:`.command`: the ``bench`` command the core adds to the SDK's CLI (by entry point).
+  :mod:`.workload`: the multi-turn workload, shaped like SGLang's ``bench_multiturn``.
+  :mod:`.runner`: one workload under several tier configurations, side by side; the presets.
+  :mod:`.bound`: the bound a run is held to, from its legs measured in the same run (efficiency).
+  :mod:`.experiments`: the branch-backup and pre-filled-L3 experiments, as bench modes.
+  :mod:`.report`: tables (Markdown), JSON and plots of a run.
+"""
