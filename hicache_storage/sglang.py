@@ -215,8 +215,10 @@ class HiCacheStorageAdapter(HiCacheStorage):
             cp_size=storage_config.attn_cp_size,
         )
         self.rank_replicated = bool(storage_config.is_mla_model)
-        #: SGLang's own rule: replicated pools have one writer (TP rank 0), sharded ones every rank.
-        self.is_writer = bool(storage_config.is_storage_writer)
+        #: Whether this rank writes the replicated pools. SGLang's rule is one writer, TP rank 0;
+        #: under attention CP each CP rank holds its own slice of every page (keyed per CP rank),
+        #: so the first attention-TP rank of each CP rank writes (see :func:`_writes_replicated`).
+        self.is_writer = _writes_replicated(storage_config)
         #: SGLang's own switch (``interface_v1``): KV pages move zero-copy through batch_get_v1 /
         #: batch_set_v1, or as flat page tensors through batch_get / batch_set.
         self.zero_copy = bool((storage_config.extra_config or {}).get("interface_v1", 0))
@@ -302,30 +304,34 @@ class HiCacheStorageAdapter(HiCacheStorage):
             self.bindings[name] = binding
         if binding.io is PageIO.FLAT:
             logger.info("hicache_storage: pool %r (%s) moves whole flat pages: it cannot describe a page as runs", name, type(pool).__name__)
-        if not binding.writes or not self.is_writer:
-            self._keep_sglang_backing_up(binding)
+        self._keep_sglang_backing_up(binding)
         if io is not PageIO.LOGICAL:
             self._register_memory(pool)
 
     def _keep_sglang_backing_up(self, binding: PoolBinding) -> None:
-        """Make SGLang call this rank's backups when it holds a TP-sharded pool of its own.
+        """Make SGLang call this rank's backups when this rank writes a pool SGLang would not back up here.
 
         SGLang 0.5.23 skips every storage backup on MLA TP ranks other than 0
         (``HiCacheController.backup_skip``) except Mamba state, and backs up an MHA draft there only
-        for its own Mooncake backend (``HybridCacheController.should_backup``). An EAGLE draft (MHA)
-        on an MLA target is TP-sharded: without this rank's writes its draft heads never reach
-        storage. SGLang reads ``storage_config.is_mla_model`` only for that decision, so the adapter
-        clears it; it keeps its own copy and skips the writes of replicated pools here itself.
+        for its own Mooncake backend (``HybridCacheController.should_backup``). Two kinds of pool
+        need those backups: a TP-sharded pool of an MLA deployment (an EAGLE draft, MHA, on an MLA
+        target: without them its draft heads never reach storage), and under attention CP the MLA
+        KV of every CP rank (each holds its own slice of every page: without them no CP rank
+        above 0 ever stores its slice, and since the ranks agree on the smallest hit, no rank
+        ever restores from L3). SGLang reads ``storage_config.is_mla_model`` only for that
+        decision, so the adapter clears it; it keeps its own copy and skips the writes of
+        replicated pools on ranks that do not write them itself.
         """
-        if binding.writes and not self.is_writer and binding.name != PoolName.MAMBA.value:
-            if self.storage_config.is_mla_model:
-                logger.info(
-                    "hicache_storage: pool %r is TP-sharded on an MLA deployment; TP rank %d backs it up "
-                    "(replicated pools are still written by TP rank 0 only)",
-                    binding.name,
-                    self.storage_config.tp_rank,
-                )
-                self.storage_config.is_mla_model = False
+        if binding.writes and not self.storage_config.is_storage_writer and binding.name != PoolName.MAMBA.value:
+            logger.info(
+                "hicache_storage: pool %r is written by TP rank %d (%s); SGLang is told to back it up there "
+                "(replicated pools are still written by one rank %s)",
+                binding.name,
+                self.storage_config.tp_rank,
+                "its own attention-CP slice" if binding.scopes[0].shard.replicated else "TP-sharded",
+                "per attention-CP rank" if self.storage_config.attn_cp_size > 1 else "(TP rank 0)",
+            )
+            self.storage_config.is_mla_model = False
 
     def _register_memory(self, pool: Any) -> None:
         buffer = getattr(pool, "kv_buffer", None)
@@ -633,6 +639,22 @@ def _page_io(pool: Any, name: str) -> PageIO:
         return PageIO.SEGMENTS
     flat = pool.get_dummy_flat_data_page() if hasattr(pool, "get_dummy_flat_data_page") else None
     return PageIO.FLAT if flat is not None and _nbytes(flat) else PageIO.LOGICAL
+
+
+def _writes_replicated(config: HiCacheStorageConfig) -> bool:
+    """Whether this rank writes pools whose bytes are the same on every rank that shares its key.
+
+    SGLang's rule (``HiCacheStorageConfig.is_storage_writer``): every rank when the KV is
+    TP-sharded, TP rank 0 when it is replicated (MLA). Under attention CP the replicated KV is
+    the same only within one CP rank's attention-TP group: ``tp_size`` is then
+    ``attn_tp_size * attn_cp_size`` (SGLang passes the attention-TP rank and size instead under
+    DP attention, where this rule makes every rank a writer: ranks of one attention-TP group then
+    write the same bytes under the same key, which the write's exists check mostly skips).
+    """
+    if not config.is_mla_model or config.attn_cp_size <= 1:
+        return bool(config.is_storage_writer)
+    attn_tp_size = max(1, config.tp_size // config.attn_cp_size)
+    return config.tp_rank % attn_tp_size == 0
 
 
 def _is_replicated(pool: Any, name: str, rank_replicated: bool) -> bool:

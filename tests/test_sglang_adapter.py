@@ -154,6 +154,8 @@ class Rank:
     is_mla: bool = False
     pp_rank: int = 0
     pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     metrics: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -174,8 +176,8 @@ def storage_config(rank: Rank, connector: str, connector_config: dict[str, Any])
         tp_size=rank.tp_size,
         pp_rank=rank.pp_rank,
         pp_size=rank.pp_size,
-        attn_cp_rank=0,
-        attn_cp_size=1,
+        attn_cp_rank=rank.cp_rank,
+        attn_cp_size=rank.cp_size,
         is_mla_model=rank.is_mla,
         enable_storage_metrics=rank.metrics,
         is_page_first_layout=True,
@@ -312,6 +314,28 @@ def test_mla_only_rank_zero_writes_and_every_rank_reads(open_adapter: Any) -> No
     assert ranks[1].batch_get_v1(keys, host_indices(pools[1], [4, 5, 6])) == [True] * 3
     for page in range(3):
         assert page_bytes(pools[1], 4 + page) == page_bytes(pools[0], page)
+
+
+def test_mla_attention_cp_ranks_each_write_their_own_slice(open_adapter: Any) -> None:
+    """Attention CP of 2 with attention TP of 2 (TP 4): each CP rank holds its own slice of every
+    MLA page, the same on its two attention-TP ranks. The first attention-TP rank of each CP rank
+    writes its slice under its own CP key (and SGLang, which backs up MLA on TP rank 0 only, is
+    told to back up there); the other reads it. The SGLang tier runs this through SGLang's tree
+    on a real CP group (test_attention_cp_ranks_restore_their_own_slices)."""
+    pools = [make_host_pool("mla", seed=30 + r) for r in range(4)]
+    ranks = [open_adapter(pools[r], Rank(tp_rank=r, tp_size=4, is_mla=True, cp_rank=r // 2, cp_size=2)) for r in range(4)]
+    assert [a.is_writer for a in ranks] == [True, False, True, False]
+    assert [a.storage_config.is_storage_writer for a in ranks] == [True, False, True, False], "SGLang would skip CP rank 1"
+    keys = chain(2, salt="cp")
+    for r in (1, 3):
+        assert ranks[r].batch_set_v1(keys, host_indices(pools[r], [0, 1])) == [True, True], "non-writers report success"
+    assert ranks[0].batch_exists(keys) == 0 and ranks[2].batch_exists(keys) == 0, "a non-writer rank wrote"
+    for r in (0, 2):
+        assert ranks[r].batch_set_v1(keys, host_indices(pools[r], [0, 1])) == [True, True]
+    for r in range(4):
+        assert ranks[r].batch_get_v1(keys, host_indices(pools[r], [4, 5])) == [True, True]
+        writer = pools[2 * (r // 2)]
+        assert [page_bytes(pools[r], p) for p in (4, 5)] == [page_bytes(writer, p) for p in (0, 1)], f"rank {r} read another CP rank's slice"
 
 
 @pytest.mark.parametrize(
