@@ -8,14 +8,21 @@ a row is one token's bytes of one layer (``item_size``), addressed either throug
 (``src_k``, ``dst_k``, lists of layer tensors) or through a table of layer base addresses (the
 ``*_layers`` arguments: an int64 tensor of ``data_ptr()`` values, each layer packed row by row).
 
-The page layouts they write are the host pool's own buffers (its ``kv_buffer`` views), so a
-wrong op shows up as a round trip that is not bit-exact; tests/sglang_tier/test_cpu_ops.py checks
-each op against the pool's ``get_data_page`` layout.
+Ascend's ``transfer_kv_dim_exchange`` (``sgl_kernel_npu.kvcacheio``, bound in SGLang's pool
+modules only on NPU) is here too, with its ``TransferDirection``: it moves whole pages between
+layer-major device buffers and page-major host buffers (``page_first_kv_split``).
+
+The page layouts they write are the host pool's own buffers (its ``kv_buffer`` views). A round
+trip alone would pass an op that scrambles pages the same way in both directions, so
+tests/sglang_tier/test_cpu_ops.py checks, through SGLang's MHA and MLA host pools on every layout
+the tier runs, that the ops land device rows in the host page layout the pool defines (``get_data_page``, and ``get_page_buffer_meta``
+for the split layout).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 from collections.abc import Sequence
 
 import torch
@@ -161,11 +168,53 @@ def transfer_kv_mamba_lf_pf(*, src_ptrs, dst, src_indices, dst_indices, item_siz
 transfer_kv_mamba_pf_lf = transfer_kv_per_layer_mla_pf_lf
 
 
+# --- Ascend's dim exchange (``sgl_kernel_npu.kvcacheio``): layer-major device, page-major host -----
+
+
+class TransferDirection(enum.IntEnum):
+    """Which way :func:`transfer_kv_dim_exchange` copies (the names SGLang's pools pass)."""
+
+    H2D = 0
+    D2H = 1
+
+
+def _page_ids(indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The page of each run of ``page_size`` token slots; the op moves whole pages only."""
+    indices = indices.long().reshape(-1, page_size)
+    pages = indices[:, 0] // page_size
+    expected = pages[:, None] * page_size + torch.arange(page_size)
+    if not torch.equal(indices, expected):
+        raise ValueError("transfer_kv_dim_exchange moves whole pages: token slots must be page-aligned runs")
+    return pages
+
+
+def transfer_kv_dim_exchange(
+    *, device_indices, host_indices, device_k, host_k, device_v, host_v, page_size, direction,
+    device_index_k=None, host_index_k=None, device_index_k_scale=None, host_index_k_scale=None, **_,
+):  # fmt: skip
+    """Whole pages between layer-major device buffers ``[layers, pages, page_size, ...]`` and
+    page-major host buffers ``[pages, layers, page_size, ...]`` (the layer and page dimensions
+    exchanged): K, V, and an indexer's K and scales where both sides have them. A side given as
+    ``None`` or an empty tensor is not moved (SGLang passes empty V tensors for K-only pools)."""
+    device_pages, host_pages = _page_ids(device_indices, page_size), _page_ids(host_indices, page_size)
+    pairs = ((device_k, host_k), (device_v, host_v), (device_index_k, host_index_k), (device_index_k_scale, host_index_k_scale))
+    for device, host in pairs:
+        if device is None or host is None or device.numel() == 0 or host.numel() == 0:
+            continue
+        if direction == TransferDirection.D2H:
+            host[host_pages] = device[:, device_pages].transpose(0, 1)
+        elif direction == TransferDirection.H2D:
+            device[:, device_pages] = host[host_pages].transpose(0, 1)
+        else:
+            raise ValueError(f"unknown transfer direction {direction!r}")
+
+
 OPS = {
     name: obj
     for name, obj in dict(globals()).items()
     if name.startswith("transfer_kv_") and callable(obj)
 }
+OPS["TransferDirection"] = TransferDirection
 
 #: SGLang's modules that call the ops by their global names.
 POOL_MODULES = (
