@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from harness import Deployment, Engine
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
 
 from hicache_storage.sglang import PageIO
 
@@ -162,3 +162,152 @@ def test_dsa_indexer_round_trips_exact_on_file(engines: Any, tmp_path: Path, lay
     round_trip(engines, deployment, pages=3)
     indexer = engines(deployment).adapter.bindings[PoolName.INDEXER.value]
     assert indexer.io is (PageIO.FLAT if layout == "layer_first" else PageIO.SEGMENTS)
+
+
+# --- DeepSeek V4 -------------------------------------------------------------------------------
+
+#: Layer compress ratios: SWA-only and C4 layers (page size 4), and a C128 layer too (page size
+#: 128, the smallest page a C128 pool has a slot in).
+V4_CASES = {
+    "c4-page_first": ("page_first", 4, (0, 4, 0, 4)),
+    "c4-layer_first": ("layer_first", 4, (0, 4, 0, 4)),
+    "c4-page_first_direct": ("page_first_direct", 4, (0, 4, 0, 4)),
+    "c4-c128-page_first": ("page_first", 128, (0, 4, 128, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(V4_CASES))
+def test_deepseek_v4_round_trips_exact_through_the_tree(engines: Any, tmp_path: Path, case: str) -> None:
+    """DeepSeek V4 as SGLang builds it: its ``DeepSeekV4TokenToKVPool`` device pool, the tree's
+    FULL + SWA components, and the host pools ``build_deepseek_v4_hicache_stack`` registers: a
+    logical KV anchor without bytes, the SWA pool, the C4 (and C128) compressed KV and the C4
+    indexer as KV sidecars (all pages), the C4 compress states as SWA sidecars (trailing pages).
+    The compressed pages of the whole prefix, and the SWA pages and compress state rings of the
+    last window, come back from L3 exactly."""
+    layout, page_size, ratios = V4_CASES[case]
+    deployment = Deployment(
+        "file", {"root": str(tmp_path / "l3")}, layout=layout, components=("FULL", "SWA"), page_size=page_size,
+        v4_ratios=ratios,
+    )  # fmt: skip
+    pages = 3 if page_size > 4 else 6
+    empty_store_restores_nothing(engines, deployment)
+    round_trip(engines, deployment, pages=pages)
+    consumer = engines(deployment)
+    bindings = consumer.adapter.bindings
+    expected = {"kv", "swa", "deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c4_state", "deepseek_v4_c4_indexer_state"}
+    expected |= {"deepseek_v4_c128"} if 128 in ratios else set()
+    assert set(bindings) == expected
+    assert bindings["kv"].io is PageIO.LOGICAL
+    assert all(binding.io is PageIO.SEGMENTS for name, binding in bindings.items() if name != "kv")
+    policies = {str(spec.pool_name): spec.hit_policy for spec in consumer.cache.sidecar_pool_specs}
+    assert policies["deepseek_v4_c4"] is PoolHitPolicy.ALL_PAGES
+    assert policies["deepseek_v4_c4_state"] is PoolHitPolicy.TRAILING_PAGES
+
+
+# --- MLA on page_first_kv_split (Ascend) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dsa", [False, True], ids=["mla", "mla-dsa"])
+def test_mla_page_first_kv_split_round_trips_exact(engines: Any, tmp_path: Path, dsa: bool) -> None:
+    """``page_first_kv_split``, SGLang's MLA layout on Ascend: its NPU MLA device pool (latent,
+    rope and a DSA indexer's K in separate layer-major buffers), its host pool mirroring each
+    page-major, moved by the ``kernel_ascend`` backend (our CPU dim exchange). Each page is stored
+    as its K, V (and indexer) runs."""
+    deployment = Deployment("file", {"root": str(tmp_path / "l3")}, layout="page_first_kv_split", mla=True, dsa=dsa)
+    empty_store_restores_nothing(engines, deployment)
+    round_trip(engines, deployment)
+    kv = engines(deployment).adapter.bindings["kv"]
+    assert kv.io is PageIO.SEGMENTS
+    _, sizes = kv.pool.get_page_buffer_meta(torch.arange(deployment.page_size))
+    assert len(sizes) == (3 if dsa else 2), "one run per page for K, V and the indexer's K"
+
+
+# --- pipeline and attention context parallelism ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_pipeline_stages_restore_their_own_layers(engines: Any, tmp_path: Path, mla: bool) -> None:
+    """PP2: each stage holds its own layers and SGLang's controller stores them with the stage's
+    ``pp_rank`` / ``pp_size`` (from the parallel context, as in a launched server). Each stage's
+    engine backs up and restores through SGLang's tree; each restores its own layers' bytes,
+    never the other stage's. (Each stage runs alone: the relay by which stage 0 decides a
+    prefetch for the later stages over the PP group carries decisions, not pages.)"""
+    tokens = list(range(1, 1 + 6 * 4))
+    config = {"root": str(tmp_path / "l3")}
+    written = {}
+    for stage in (0, 1):
+        producer = engines(Deployment("file", config, mla=mla, pp_rank=stage, pp_size=2))
+        leaf = producer.insert(tokens)
+        written[stage] = producer.fill(producer.cache.path_device_indices(leaf), seed=40 + stage)
+        producer.back_up(leaf)
+    assert not same_bytes(written[0], written[1])
+    for stage in (0, 1):
+        restored, rows = engines(Deployment("file", config, mla=mla, pp_rank=stage, pp_size=2)).restore(tokens)
+        assert restored == len(tokens)
+        assert same_bytes(rows, written[stage]), f"stage {stage} restored the other stage's layers"
+
+
+def test_attention_cp_ranks_restore_their_own_slices(tmp_path: Path) -> None:
+    """Attention CP of 2 (TP 2 = 2 CP ranks of attention TP 1): SGLang's controller takes a rank's
+    CP rank from its attention-CP process group, and the ranks agree on hit lengths over it, so
+    the ranks run on a real gloo group, rank 0 in this process and rank 1 in one of its own
+    (``rank_process.py``). Each CP rank
+    holds its own slice of every page: each backs up and restores its own bytes, never the other
+    rank's; against the store before any backup neither finds anything. MLA: SGLang backs up
+    only TP rank 0 of an MLA deployment, which would leave CP rank 1's slice out of storage and,
+    the ranks agreeing on the smaller hit, no L3 hit on either rank; the adapter has every CP
+    rank's attention-TP rank 0 write (and SGLang back it up)."""
+    cases = {
+        name: {"connector": "file", "connector_config": {"root": str(tmp_path / name)}, "mla": name == "mla",
+               "tp_size": 2, "attn_cp_size": 2}
+        for name in ("mha", "mla")
+    }  # fmt: skip
+    results = run_ranks(tmp_path, cases, world=2)
+    for name in cases:
+        ranks = [results[rank][name] for rank in (0, 1)]
+        assert ranks[0]["shard"] != ranks[1]["shard"], f"{name}: both CP ranks store under one key scope"
+        assert not same_bytes(ranks[0]["written"], ranks[1]["written"])
+        for rank, got in enumerate(ranks):
+            assert got["before"] == 0, f"{name} rank {rank} found pages in a store nothing had written"
+            assert got["after"] == got["tokens"], f"{name} rank {rank} restored {got['after']} of {got['tokens']} tokens"
+            assert same_bytes(got["restored"], got["written"]), f"{name} rank {rank} restored another rank's slice"
+
+
+def run_ranks(tmp_path: Path, cases: dict[str, dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """Run every case on ``world`` ranks of one gloo group: rank 0 here, the others each in a
+    process of its own (``rank_process.py``); each rank's results."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    import rank_process
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spec = {"port": port, "world": world, "cases": cases, "out": str(tmp_path)}
+    (tmp_path / "ranks.json").write_text(json.dumps(spec))
+    logs = {rank: tmp_path / f"rank{rank}.log" for rank in range(1, world)}
+    procs = {
+        rank: subprocess.Popen(
+            [sys.executable, rank_process.__file__, str(tmp_path / "ranks.json"), str(rank)],
+            stdout=log.open("w"), stderr=subprocess.STDOUT,
+        )
+        for rank, log in logs.items()
+    }  # fmt: skip
+    try:
+        try:
+            here = rank_process.run_rank(spec, 0)
+        except Exception as exc:
+            raise AssertionError("rank 0 failed; the other ranks' logs:\n" + "\n".join(log.read_text()[-3000:] for log in logs.values())) from exc
+        for proc in procs.values():
+            proc.wait(timeout=600)  # a guard against a rank left waiting in a collective, not a measurement
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = {rank: proc.returncode for rank, proc in procs.items() if proc.returncode != 0}
+    assert not failed, f"ranks failed {failed}:\n" + "\n".join(logs[rank].read_text()[-3000:] for rank in failed)
+    return [here] + [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(1, world)]
