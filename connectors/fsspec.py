@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import pydantic
 
-from hicache_storage.connector import Connector
-from hicache_storage.batching import write_last_positions, map_outcomes
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -49,9 +46,9 @@ from hicache_storage.errors import (
     StorageError,
     StorageTimeoutError,
 )
+from hicache_storage.connectors.per_key import PerKeyConnector
 from hicache_storage.keys import Namespace, PageKey
 
-T = TypeVar("T")
 
 _LOCAL = frozenset({"file", "local"})
 _MEMORY = frozenset({"memory"})
@@ -72,7 +69,7 @@ class FsspecConfig(BackendConfig):
     max_concurrency: int = pydantic.Field(8, ge=1, le=256, description="parallel page operations per batch")
 
 
-class FsspecBackend(Connector):
+class FsspecBackend(PerKeyConnector):
     name = "fsspec"
     Config = FsspecConfig
     capabilities = Capabilities(delete=True, clear=True)
@@ -131,25 +128,7 @@ class FsspecBackend(Connector):
             self._close()
             raise
 
-    # --- hooks --------------------------------------------------------------------------------
-
-    def _exists(self, keys: list[PageKey]) -> list[bool]:
-        return self._each(keys, lambda key: self._fs.isfile(self._path(key)), "exists")
-
-    def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
-        return self._each(list(zip(keys, targets)), lambda item: self._get_one(*item), "get", keys)
-
-    def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        # Parallel writes of one key would race: only its last value is written (the last wins).
-        return write_last_positions(
-            keys,
-            lambda written: self._each(
-                [(keys[i], sources[i]) for i in written], lambda item: self._put_one(*item), "put", [keys[i] for i in written]
-            ),
-        )
-
-    def _delete(self, keys: list[PageKey]) -> list[bool]:
-        return self._each(keys, self._delete_one, "delete")
+    # --- hooks (exists, get, put and delete: PerKeyConnector's, over the calls below) -------
 
     def _clear(self, namespace: Namespace) -> None:
         directory = f"{self._root}/{namespace.fingerprint}"
@@ -173,6 +152,9 @@ class FsspecBackend(Connector):
 
     def _path(self, key: PageKey) -> str:
         return f"{self._root}/{key.render('/')}"
+
+    def _exists_one(self, key: PageKey) -> bool:
+        return bool(self._fs.isfile(self._path(key)))
 
     def _get_one(self, key: PageKey, target: Segments) -> bool:
         path = self._path(key)
@@ -223,15 +205,6 @@ class FsspecBackend(Connector):
 
     # --- batches, probing and errors ----------------------------------------------------------
 
-    def _each(self, items: Sequence[T], fn: Callable[[T], bool], operation: str, keys: Sequence[PageKey] | None = None) -> list[bool]:
-        """``fn`` on every item, on the pool; the first failure is raised as a typed error."""
-        keys = keys if keys is not None else items  # type: ignore[assignment]
-        outcomes = map_outcomes(self._pool, fn, items)
-        for key, (result, error) in zip(keys, outcomes):
-            if error is not None:
-                self._raise(error, operation, key)
-        return [bool(result) for result, _ in outcomes]
-
     def _check_root(self) -> None:
         """Fail at construction, naming the URL, if the location cannot be used."""
         try:
@@ -245,15 +218,8 @@ class FsspecBackend(Connector):
         except Exception as exc:
             self._raise(exc, "connect")
 
-    def _raise(self, exc: BaseException, operation: str, key: PageKey | None = None) -> NoReturn:
-        """Raise ``exc`` as a typed StorageError; an exception of no known kind (a bug) as is."""
-        if isinstance(exc, StorageError):
-            raise exc.with_context(backend=self.name, operation=operation, key=key)
-        mapped = _translate(exc, self._where)
-        if mapped is None:
-            raise exc
-        raise mapped.with_context(backend=self.name, operation=operation, key=key) from None
-
+    def _translate(self, exc: BaseException) -> StorageError | None:
+        return _translate(exc, self._where)
 
 
 def _read_file_into(fs: Any, path: str, target: Segments) -> bool:

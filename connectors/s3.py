@@ -27,16 +27,14 @@ import base64
 import io
 import logging
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 
-from hicache_storage.connector import Connector
-from hicache_storage.batching import write_last_positions, map_outcomes
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
@@ -51,6 +49,7 @@ from hicache_storage.errors import (
     StorageTimeoutError,
     ThrottledError,
 )
+from hicache_storage.connectors.per_key import PerKeyConnector
 from hicache_storage.keys import Namespace, PageKey
 from hicache_storage.redaction import LOG_REDACTOR
 
@@ -62,7 +61,6 @@ _MAX_PARTS = 10_000
 _READ_CHUNK = 4 * MiB  # bytes asked of the HTTP stream per readinto call
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 
-T = TypeVar("T")
 
 
 class S3Config(BackendConfig):
@@ -112,7 +110,7 @@ class S3Config(BackendConfig):
         return secret
 
 
-class S3Backend(Connector):
+class S3Backend(PerKeyConnector):
     name = "s3"
     Config = S3Config
     capabilities = Capabilities(
@@ -184,25 +182,7 @@ class S3Backend(Connector):
             self._close()
             raise
 
-    # --- hooks --------------------------------------------------------------------------------
-
-    def _exists(self, keys: list[PageKey]) -> list[bool]:
-        return self._each(keys, self._exists_one, "exists")
-
-    def _get_into(self, keys: list[PageKey], targets: list[Segments]) -> list[bool]:
-        return self._each(list(zip(keys, targets)), lambda item: self._get_one(*item), "get", keys)
-
-    def _put_from(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:
-        # Parallel writes of one key would race: only its last value is written (the last wins).
-        return write_last_positions(
-            keys,
-            lambda written: self._each(
-                [(keys[i], sources[i]) for i in written], lambda item: self._put_one(*item), "put", [keys[i] for i in written]
-            ),
-        )
-
-    def _delete(self, keys: list[PageKey]) -> list[bool]:
-        return self._each(keys, self._delete_one, "delete")
+    # --- hooks (exists, get, put and delete: PerKeyConnector's, over the calls below) -------
 
     def _clear(self, namespace: Namespace) -> None:
         prefix = f"{self._prefix}{namespace.fingerprint}/"
@@ -342,15 +322,6 @@ class S3Backend(Connector):
 
     # --- batches, probing and errors ----------------------------------------------------------
 
-    def _each(self, items: Sequence[T], fn: Callable[[T], bool], operation: str, keys: Sequence[PageKey] | None = None) -> list[bool]:
-        """``fn`` on every item, on the pool; the first failure is raised as a typed error."""
-        keys = keys if keys is not None else items  # type: ignore[assignment]
-        outcomes = map_outcomes(self._pool, fn, items)
-        for key, (result, error) in zip(keys, outcomes):
-            if error is not None:
-                self._raise(error, operation, key)
-        return [bool(result) for result, _ in outcomes]
-
     def _check_bucket(self) -> None:
         bucket = self.config.bucket
         try:
@@ -365,15 +336,8 @@ class S3Backend(Connector):
                     exc = detail
             self._raise(exc, "connect")
 
-    def _raise(self, exc: BaseException, operation: str, key: PageKey | None = None) -> NoReturn:
-        """Raise ``exc`` as a typed StorageError; an exception of no known kind (a bug) as is."""
-        if isinstance(exc, StorageError):
-            raise exc.with_context(backend=self.name, operation=operation, key=key)
-        mapped = _translate(exc, self._endpoint, self.config.bucket)
-        if mapped is None:
-            raise exc
-        raise mapped.with_context(backend=self.name, operation=operation, key=key) from None
-
+    def _translate(self, exc: BaseException) -> StorageError | None:
+        return _translate(exc, self._endpoint, self.config.bucket)
 
 
 # --- streaming -----------------------------------------------------------------------------------

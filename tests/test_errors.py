@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from hicache_storage import errors
-from hicache_storage.connectors._redis_errors import reply_status
+from hicache_storage.connectors.redis.errors import reply_status
 from hicache_storage.errors import ErrorStatus, PermanentError, RetryableError, StorageError
 from hicache_storage.layers.faults import ERROR_KINDS
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hicache_storage.conformance import ConformanceTests
-from hicache_storage.connectors import _file_temp as file_temp
+from hicache_storage.connectors.file import temp as file_temp
 from hicache_storage.connectors.file import FileBackend
 from hicache_storage.errors import (
     BackendClosedError,

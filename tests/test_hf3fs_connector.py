@@ -340,7 +340,7 @@ def test_root_that_cannot_be_created_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_leftover_local_indexes() -> Iterator[None]:
-    from hicache_storage.connectors import _hf3fs_index
+    from hicache_storage.connectors.hf3fs import index as _hf3fs_index
 
     yield
     assert not _hf3fs_index._LOCAL_INDEXES, "a test left an hf3fs instance open"
@@ -448,7 +448,7 @@ class TestHF3FSUsrbioGlue(ConformanceTests):
     def test_usrbio_path_is_the_one_used(self, store: HF3FSBackend, scope: KeyScope, stand_in_binding: Any) -> None:
         from hicache_storage.connectors.hf3fs import UsrbioFiles
 
-        assert isinstance(store._files, UsrbioFiles)
+        assert isinstance(store.top._files, UsrbioFiles)
         assert not store.capabilities.zero_copy_read and not store.capabilities.zero_copy_write
         keys = scope.keys(hashes(20, 11))
         assert store.put(keys, [page(i) for i in range(20)]) == [True] * 20

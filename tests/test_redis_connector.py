@@ -196,8 +196,9 @@ class TestConfig:
         script = (
             "import sys; sys.modules['redis'] = None\n"
             "import hicache_storage.connectors.redis as m\n"
+            "from hicache_storage.errors import MissingDependencyError\n"
             "try:\n    m.RedisBackend({})\n"
-            "except m.MissingDependencyError as e:\n    print('missing', e.package, e.extra)\n"
+            "except MissingDependencyError as e:\n    print('missing', e.package, e.extra)\n"
         )
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr

@@ -150,11 +150,11 @@ def load_layer_specs(specs: LayerSpecs) -> list[Mapping[str, Any]]:
         data, what = specs, "layer specs"
     if isinstance(data, Mapping) and set(data) == {"layers"}:
         data = data["layers"]
-    elif isinstance(data, Mapping) and set(data) == {"layers"}:
+    elif isinstance(data, Mapping) and set(data) == {"wrappers"}:
         from hicache_storage.compat import warn_renamed
 
-        warn_renamed(f"the {what} key 'layers'", "'layers'")
-        data = data["layers"]
+        warn_renamed(f"the {what} key 'wrappers'", "'layers'")
+        data = data["wrappers"]
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence):
         raise ConfigError(f"{what} must be a list of layer specs (or {{\"layers\": [...]}}), got {type(data).__name__}", field="layers")
     return list(data)

@@ -15,7 +15,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-from hicache_storage.connectors._redis_connection import execute
+from hicache_storage.connectors.redis.connection import execute
 
 
 class ClusterPipelines:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from hicache_storage.buffers import Segments, fill_segments
-from hicache_storage.connectors._file_temp import unlink_quietly
+from hicache_storage.connectors.file.temp import unlink_quietly
 from hicache_storage.errors import ConfigError
 from hicache_storage.vectored_io import preadv_full, pwritev_full
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from hicache_storage.buffers import Segments, segments_size
-from hicache_storage.connectors._hf3fs_index import Location
+from hicache_storage.connectors.hf3fs.index import Location
 from hicache_storage.vectored_io import preadv_full, pwritev_full
 
 

@@ -11,8 +11,8 @@ import time
 
 import pydantic
 
-from hicache_storage.connectors._hf3fs_index import Location
-from hicache_storage.connectors._redis_errors import reply_status
+from hicache_storage.connectors.hf3fs.index import Location
+from hicache_storage.connectors.redis.errors import reply_status
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,

@@ -34,10 +34,7 @@ slot per crash, until the rank's index keys are deleted.
 
 Thread safety: every method may be called from several threads.
 
-The backend is spread over modules of one concept each: this one (configuration and the hooks),
-``_hf3fs_index`` (where a page lives, the in-process slot index), ``_hf3fs_redis_index`` (the
-slot index in Redis, its Lua scripts and its typed errors) and ``_hf3fs_io`` (POSIX and usrbio
-I/O on the data files).
+The package's modules are listed in its docstring (:mod:`hicache_storage.connectors.hf3fs`).
 """
 
 from __future__ import annotations
@@ -53,9 +50,9 @@ from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.connectors._hf3fs_index import Location, LocalSlotIndex, close_local_index, open_local_index
-from hicache_storage.connectors._hf3fs_io import PosixFiles, UsrbioFiles, usrbio_available
-from hicache_storage.connectors._hf3fs_redis_index import (
+from hicache_storage.connectors.hf3fs.index import Location, LocalSlotIndex, close_local_index, open_local_index
+from hicache_storage.connectors.hf3fs.io import PosixFiles, UsrbioFiles, usrbio_available
+from hicache_storage.connectors.hf3fs.redis_index import (
     RedisSlotIndex,
     redacted_url,
     redis_error_base,

@@ -29,9 +29,7 @@ Contract, beyond the one every connector keeps (see :mod:`hicache_storage.backen
   pipelines and connections from thread-safe pools. In cluster mode a call sends its per-node
   pipelines from a small thread pool the backend owns (closed by ``close``).
 
-The connector is spread over modules of one concept each: this one (the hooks), ``_redis_config``
-(the URL and the settings), ``_redis_connection`` (clients, TLS, server limits, one pipeline),
-``_redis_cluster`` (per-node pipelines on a cluster) and ``_redis_errors`` (typed errors).
+The package's modules are listed in its docstring (:mod:`hicache_storage.connectors.redis`).
 """
 
 from __future__ import annotations
@@ -42,10 +40,10 @@ from typing import Any
 from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, join_segments, segments_size
 from hicache_storage.capabilities import Capabilities
-from hicache_storage.connectors._redis_cluster import ClusterPipelines
-from hicache_storage.connectors._redis_config import REDIS_MAX_BULK_LEN, RedisConfig, RedisEndpoint, parse_redis_url
-from hicache_storage.connectors._redis_connection import connect, execute, primaries, server_limits
-from hicache_storage.connectors._redis_errors import RedisErrors
+from hicache_storage.connectors.redis.cluster import ClusterPipelines
+from hicache_storage.connectors.redis.config import REDIS_MAX_BULK_LEN, RedisConfig, RedisEndpoint, parse_redis_url
+from hicache_storage.connectors.redis.connection import connect, execute, primaries, server_limits
+from hicache_storage.connectors.redis.errors import RedisErrors
 from hicache_storage.errors import MissingDependencyError
 from hicache_storage.keys import Namespace, PageKey
 

@@ -54,10 +54,7 @@ Contracts:
 * **Thread safety.** Every method may be called from several threads; ``close()`` waits for
   in-flight I/O and shuts the pool down.
 
-The backend is spread over modules of one concept each: this one (configuration, the hooks,
-writing and publishing one page), ``_file_tree`` (paths and the checked directory tree),
-``_file_temp`` (temp file names and cleanup after dead writers), ``_file_direct`` (page I/O and
-O_DIRECT alignment) and ``_file_lru`` (the capacity index).
+The package's modules are listed in its docstring (:mod:`hicache_storage.connectors.file`).
 """
 
 from __future__ import annotations
@@ -82,10 +79,10 @@ from hicache_storage.batching import map_all
 from hicache_storage.buffers import Segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.connectors._file_direct import PageIO, probe_direct_io
-from hicache_storage.connectors._file_lru import EVICTION_COUNTERS, LruPageIndex, Reservation
-from hicache_storage.connectors._file_temp import TMP_DIR, TempNames, prepare_tmp_dir, remove_stale_temp, unlink_quietly
-from hicache_storage.connectors._file_tree import (
+from hicache_storage.connectors.file.direct import PageIO, probe_direct_io
+from hicache_storage.connectors.file.lru import EVICTION_COUNTERS, LruPageIndex, Reservation
+from hicache_storage.connectors.file.temp import TMP_DIR, TempNames, prepare_tmp_dir, remove_stale_temp, unlink_quietly
+from hicache_storage.connectors.file.tree import (
     COMPONENT_RE,
     DirectoriesVanished,
     PageDirectories,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hicache_storage.connectors._redis_config import REDIS_MAX_BULK_LEN, RedisConfig, RedisEndpoint
-from hicache_storage.connectors._redis_errors import RedisErrors
+from hicache_storage.connectors.redis.config import REDIS_MAX_BULK_LEN, RedisConfig, RedisEndpoint
+from hicache_storage.connectors.redis.errors import RedisErrors
 
 
 def connect(redis: Any, config: RedisConfig, endpoint: RedisEndpoint, secret: str | None, errors: RedisErrors) -> Any:

@@ -23,7 +23,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Container
 
-from hicache_storage.connectors._file_tree import COMPONENT_RE, PAGE_DEPTH
+from hicache_storage.connectors.file.tree import COMPONENT_RE, PAGE_DEPTH
 
 # The file backend's logger, so one name configures everything that backend does.
 logger = logging.getLogger("hicache_storage.connectors.file")

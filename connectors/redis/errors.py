@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_storage.connectors._redis_config import USERINFO_RE
+from hicache_storage.connectors.redis.config import USERINFO_RE
 from hicache_storage.errors import (
     AuthenticationError,
     BackendUnavailableError,
