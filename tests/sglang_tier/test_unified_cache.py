@@ -230,12 +230,14 @@ def test_pipeline_stages_restore_their_own_layers(engines: Any, tmp_path: Path, 
     """PP2: each stage holds its own layers and SGLang's controller stores them with the stage's
     ``pp_rank`` / ``pp_size`` (from the parallel context, as in a launched server). Each stage's
     engine backs up and restores through SGLang's tree; each restores its own layers' bytes,
-    never the other stage's. (Each stage runs alone: the relay by which stage 0 decides a
+    never the other stage's, and finds nothing while only the other stage's layers are stored. (Each stage runs alone: the relay by which stage 0 decides a
     prefetch for the later stages over the PP group carries decisions, not pages.)"""
     tokens = list(range(1, 1 + 6 * 4))
     config = {"root": str(tmp_path / "l3")}
     written = {}
     for stage in (0, 1):
+        # Nothing of this stage is stored yet (stage 1: only stage 0's layers are).
+        assert engines(Deployment("file", config, mla=mla, pp_rank=stage, pp_size=2)).restore(tokens)[0] == 0
         producer = engines(Deployment("file", config, mla=mla, pp_rank=stage, pp_size=2))
         leaf = producer.insert(tokens)
         written[stage] = producer.fill(producer.cache.path_device_indices(leaf), seed=40 + stage)
