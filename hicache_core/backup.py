@@ -126,8 +126,8 @@ class StorageBackup:
             want = min(self.batch_pages, len(pages) - begin)
             capped = pool.allocator is self.pin_cap.allocator
             granted = self.pin_cap.acquire(want) if capped else want
-            batch = pages[begin : begin + (granted or want)]
-            begin += len(batch)
+            batch = pages[begin : begin + want]
+            begin += want
             if granted:
                 try:
                     results = guarded_call(

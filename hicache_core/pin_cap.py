@@ -24,11 +24,14 @@ from hicache_core.pools import PageAllocator
 class PinCap:
     """Room for pages pinned by storage calls that may be abandoned (see the module docstring).
 
-    Thread-safe. ``acquire(want)`` grants ``0..want`` pages at once, never waiting; the caller
-    makes a zero-copy call over at most the pages granted, and calls ``release(granted)`` when it
+    Thread-safe. ``acquire(want)`` grants all ``want`` pages or none (``0``), never waiting: a
+    call is never cut to the room left, so a batch reaches the store as the caller planned it (a
+    backup cut into head-first pieces would make an LRU store evict the prefix's head). The
+    caller makes a zero-copy call over the pages granted and calls ``release(granted)`` when it
     has returned, or, if it was abandoned, after its pages were marked abandoned in ``allocator``
-    (so they are never counted out of both). ``cap_pages=None``: no cap (calls are never
-    abandoned, as when the controller trusts the store to bound its calls).
+    (so they are never counted out of both); with none granted it uses private buffers.
+    ``cap_pages=None``: no cap (calls are never abandoned, as when the controller trusts the
+    store to bound its calls).
     """
 
     def __init__(self, allocator: PageAllocator, cap_pages: int | None) -> None:
@@ -46,7 +49,7 @@ class PinCap:
             return want
         with self._lock:
             pinned = self.allocator.abandoned_pages + self._in_flight
-            granted = max(0, min(want, self.cap_pages - pinned))
+            granted = want if pinned + want <= self.cap_pages else 0
             self._in_flight += granted
             self.peak_pages = max(self.peak_pages, pinned + granted)
             return granted

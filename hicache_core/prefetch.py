@@ -469,7 +469,7 @@ class Prefetcher:
             while begin < hit and not op.terminate.is_set():
                 want = min(self.batch_pages, hit - begin)
                 granted = self.pin_cap.acquire(want)
-                batch = slice(begin, begin + (granted or want))
+                batch = slice(begin, begin + want)
                 abandoned = False
                 if granted:
 
