@@ -35,7 +35,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from hicache_core import CacheTiers, Engine, EngineConfig, RequestResult, make_c
 from hicache_core.soak import serve_rounds, tiny_engine_config
 from hicache_storage import KeyScope, Namespace, create_backend
 from hicache_storage.connector import Level
+from hicache_storage.health import BreakerConfig
 from hicache_storage.keys import PageKey
 from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer
 from hicache_storage.layers.base import Layer
@@ -77,9 +78,14 @@ RECOVERY_PASSES = 4
 pytestmark = pytest.mark.slow
 
 
-def engine_config(tiers: CacheTiers = CacheTiers.L1_L2_L3, timeout_s: float = STORAGE_TIMEOUT_S) -> EngineConfig:
-    """The soak's tiny engine (:func:`hicache_core.soak.tiny_engine_config`), with L3 by default."""
-    return tiny_engine_config(tiers, timeout_s)
+def engine_config(tiers: CacheTiers = CacheTiers.L1_L2_L3, timeout_s: float = STORAGE_TIMEOUT_S,
+                  breaker: BreakerConfig | None = None) -> EngineConfig:
+    """The soak's tiny engine (:func:`hicache_core.soak.tiny_engine_config`), with L3 by default;
+    ``breaker`` replaces the controller's store-health breaker config."""
+    config = tiny_engine_config(tiers, timeout_s)
+    if breaker is not None:
+        config = replace(config, controller=replace(config.controller, breaker=breaker))
+    return config
 
 
 def serve(engine: Engine, conversations: list[list[list[int]]], tag: str,
@@ -137,14 +143,14 @@ class Figures:
 def run_scenario(figures: Figures, storage: Level, baseline: dict[str, list[RequestResult]],
                  inject: Callable[[], None], clear: Callable[[], None],
                  notes: Callable[[], str] | None = None,
-                 reopen: Callable[[], Level] | None = None) -> Engine:
+                 reopen: Callable[[], Level] | None = None, breaker: BreakerConfig | None = None) -> Engine:
     """The three phases (see the module docstring); ``notes`` adds details to the report;
-    ``reopen`` (for permanent faults) gives the fixed store attached in place of the given-up one.
-    Returns the engine (closed), for its counters."""
+    ``reopen`` (for permanent faults) gives the fixed store attached in place of the given-up one;
+    ``breaker`` replaces the engine's breaker config. Returns the engine (closed), for its counters."""
     figures.storage_timeout_s = STORAGE_TIMEOUT_S_BY_CONNECTOR.get(figures.connector, STORAGE_TIMEOUT_S)
     figures.latency_bound_s = latency_bound(figures.storage_timeout_s)
     try:
-        engine = Engine(engine_config(timeout_s=figures.storage_timeout_s), storage=storage)
+        engine = Engine(engine_config(timeout_s=figures.storage_timeout_s, breaker=breaker), storage=storage)
     except BaseException:
         storage.close()
         raise
@@ -631,7 +637,10 @@ PERMANENT_KINDS = [kind for kind in ERROR_KINDS if not kept_through(kind)]
 
 def test_every_error_kind(tmp_path, baseline):
     """While the fault is on, storage calls take turns raising each error kind the engine keeps a
-    store through (every temporary StorageError kind, and a RuntimeError for a connector bug)."""
+    store through (every temporary StorageError kind, and a RuntimeError for a connector bug).
+    The breaker is kept shut (it would stop the calls after three failures, and how many kinds got
+    their turn would then depend on timing): what each kind does to the breaker is
+    tests/test_core_store_health.py's."""
     inner = create_backend("file", {"root": str(tmp_path / "kv")})
     erring = {
         kind: paused_faults(inner, {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
@@ -650,7 +659,8 @@ def test_every_error_kind(tmp_path, baseline):
     figures = Figures("every error kind raised, in turn, by every call", "file")
     raised = lambda: [kind for kind, w in erring.items() if w.stats()["faults_error"] > 0]  # noqa: E731
     run_scenario(figures, store, baseline, inject, clear,
-                 lambda: f"{sum(w.stats()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}")
+                 lambda: f"{sum(w.stats()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}",
+                 breaker=BreakerConfig(failures_to_open=1_000_000))
     assert raised() == TEMPORARY_KINDS, f"not every error kind was raised: {raised()}"
     assert figures.storage_errors > 0 and figures.storage_timeouts > 0, "errors and timeouts must both be counted"
 
