@@ -35,7 +35,9 @@ FORMAT_VERSION = 1
 #: Host-pool byte layouts a page can be stored in (SGLang's ``--hicache-mem-layout`` values).
 #: ``page_first_kv_split`` keeps K and V (and an MLA indexer) in separate page-first buffers;
 #: ``page_head`` orders a page head-major, so a group of heads is one contiguous run.
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
+#: ``vllm_block`` is one vLLM KV block: each attention layer's bytes of the block, layer after
+#: layer, in vLLM's own block layout (the namespace's geometry names it).
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head", "vllm_block")
 
 _PART_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _HASH_RE = re.compile(r"[0-9a-f]{8,128}")
