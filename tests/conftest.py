@@ -12,8 +12,11 @@ import os
 
 import pytest
 
-# tests/sglang_tier runs in SGLang's own environment (scripts/sglang_env.sh, run by scripts/test.sh).
+# tests/sglang_tier runs in SGLang's own environment (scripts/sglang_env.sh, run by scripts/test.sh),
+# tests/vllm_tier in vLLM's (scripts/vllm_env.sh).
 collect_ignore = [] if os.environ.get("HICACHE_SGLANG_TIER") else ["sglang_tier"]
+if not os.environ.get("HICACHE_VLLM_TIER"):
+    collect_ignore.append("vllm_tier")
 
 
 @pytest.fixture(scope="session")
