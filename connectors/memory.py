@@ -31,6 +31,9 @@ class MemoryConfig(BackendConfig):
 
 
 class _Store:
+    """One dict of pages: ``pages`` (key -> value, least recently used first) and their total
+    ``size`` in bytes, both guarded by ``lock``."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pages: OrderedDict[PageKey, bytes] = OrderedDict()
@@ -56,6 +59,14 @@ class MemoryBackend(Connector):
         if self.config.capacity_bytes is not None:
             capacity = self.config.capacity_bytes
             self.capabilities = self.capabilities.replace(evicts=True, max_value_size=capacity, capacity_bytes=capacity)
+
+    @property
+    def page_table(self) -> _Store:
+        """Where this instance keeps its pages (the dict shared by every instance with the same
+        ``store`` name), for code that reads or writes pages without the hooks, such as the
+        conformance suite's backdoor. Hold its ``lock`` while reading or changing ``pages`` or
+        ``size``, and keep ``size`` the sum of the values' lengths."""
+        return self._store
 
     def _exists(self, keys: list[PageKey]) -> list[bool]:
         pages = self._store.pages

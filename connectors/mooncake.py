@@ -7,6 +7,9 @@ variable (``MOONCAKE_MASTER``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_LOCA
 ``LOCAL_HOSTNAME``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``,
 ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``), then from the defaults below.
 
+A page is the object ``<key_prefix><namespace>/<shard>/<part>/<page hash>`` (``key_prefix`` +
+``key.render("/")``) holding its raw bytes.
+
 How pages move (checked against ``mooncake-transfer-engine`` 0.3.13):
 
 * Memory announced with :meth:`register_buffer` (the host KV pool) is registered once with the
@@ -429,6 +432,14 @@ class MooncakeBackend(Connector):
         self._staging.release()
         del self._staging_array
         self._staging_memory.close()
+
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` this connector calls, for code that reads or writes the
+        cluster without the hooks, such as the conformance suite's backdoor. Calls on it bypass this
+        connector: no key prefix, staging buffer or lease bookkeeping (``clear`` does not wait for the
+        read leases they take). Closed by ``close``."""
+        return self._store
 
     # --- internals ----------------------------------------------------------------------------
 

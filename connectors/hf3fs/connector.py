@@ -9,8 +9,9 @@ only its glue was tested, against a stand-in binding doing plain file I/O, never
 Layout: rank ``r`` owns ``numjobs`` files ``<root>/rank<r>.<j>.data``, each ``file_size`` bytes
 (created sparse with ``ftruncate``), cut into slots of ``page_size_bytes`` (from the config, or
 fixed by the first write, rounded up to 4 KiB). A page is written into a free slot of its
-writer's files and then *published* in the slot index under its key; readers find it through
-the index, so any rank can read any rank's pages (MLA: rank 0 writes, every rank reads).
+writer's files and then *published* in the slot index under its key (``key.render("/")``); readers
+find it through the index, so any rank can read any rank's pages (MLA: rank 0 writes, every rank
+reads). Slot ``s`` is file ``s % numjobs`` at offset ``(s // numjobs) * slot size``.
 
 The slot index lives
 
@@ -19,7 +20,9 @@ The slot index lives
   shared with other processes and are forgotten when the last instance closes;
 * in Redis (``metadata_url: redis://...``): instances and ranks on any host share pages, and
   pages survive restarts. Every allocation and publication is one Lua script, so it is atomic.
-  Standalone Redis only (the scripts touch keys they compute).
+  Standalone Redis only (the scripts touch keys they compute). The index's keys start with
+  ``metadata_prefix``, by default ``hicache:hf3fs:<first 16 hex digits of sha256(resolved root)>:``
+  (their layout: :class:`~hicache_storage.connectors.hf3fs.redis_index.RedisSlotIndex`).
 
 Integrity. Writes go to a slot no key points at, and the key is published only after the bytes
 are written, so a reader never sees a half-written page. When the rank is full, the least
