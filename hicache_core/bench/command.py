@@ -111,10 +111,21 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     experiment.add_argument("--branches", type=at_least(1), default=10, help="branch-backup: requests for the prefix from L3 (default: %(default)s)")
     bench.add_argument("--cheap-prefill-tokens-per-s", type=positive_rate, default=200_000.0, help="the cheap recompute of --compare-stop-policies (default: %(default)s)")
     bench.add_argument("--out", default="results", help="directory for bench.{json,md,png} (default: %(default)s)")
+    bench.add_argument(
+        "--engine",
+        default="core",
+        choices=["core", "vllm"],
+        help="core: the reference engine (default); vllm: a real vLLM CPU engine, L3 off vs on, run in vLLM's "
+        "environment (hicache_storage.vllm.bench, docs/vllm.md)",
+    )
     bench.set_defaults(run=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from hicache_storage.vllm.bench import run_vllm_bench
+
+        return run_vllm_bench(args)
     # Imported here, not at the top: the CLI loads this module to build its parser for every
     # command, and the runner pulls in torch.
     from hicache_core.bench.experiments import branch_backup, prefilled_l3

@@ -35,3 +35,22 @@ def test_store_spec_carries_layers_and_a_timeout() -> None:
     assert spec.default_timeout is not None and spec.default_timeout.seconds == 2
     no_timeout = VllmConnectorConfig.from_extra_config({"connector": "memory", "timeout_s": None}).store_spec()
     assert no_timeout.default_timeout is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--experiment", "branch-backup"], "--experiment"),
+        (["--tiers", "L1"], "--tiers"),
+        (["--page-size", "48"], "--page-size"),
+        (["--dtype", "float16"], "--dtype"),
+        (["--config", "{}"], "--backend"),
+    ],
+)
+def test_bench_engine_vllm_refuses_what_it_cannot_run(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each bad option is one line and exit status 2, before any engine starts."""
+    from hicache_storage.cli import main
+
+    assert main(["bench", "--engine", "vllm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
