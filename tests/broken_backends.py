@@ -24,6 +24,7 @@ from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
+from hicache_storage.conformance.backdoor import MemoryBackdoor, register_backdoor
 from hicache_storage.connectors.memory import MemoryBackend, MemoryConfig
 from hicache_storage.errors import StorageError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
@@ -894,3 +895,37 @@ def _unlink(path: str) -> bool:
     except FileNotFoundError:
         return False
 
+
+# Every mutant above is the memory connector with one bug, keeping its pages in the memory
+# connector's dict under the caller's keys as that connector does: each declares the memory
+# connector's backdoor its own (a backdoor belongs to the class that declares it, so a subclass
+# has none unless it says so).
+for _mutant in MUTANTS:
+    if issubclass(globals()[_mutant], MemoryBackend):
+        register_backdoor(globals()[_mutant], MemoryBackdoor)
+
+
+# --- a correct re-keying, for subclasses that store pages under other names --------------------
+
+
+class ReversedHashes(Connector):
+    """Mixed in before a connector: every page under its hash reversed (its namespace, shard and part kept).
+
+    A correct connector on its own (one name per key, each its own): wrong only in a class that
+    claims its parent's layout."""
+
+    @staticmethod
+    def _reversed(keys):
+        return [key.scope.key(key.page_hash[::-1]) for key in keys]
+
+    def _exists(self, keys):
+        return super()._exists(self._reversed(keys))
+
+    def _get_into(self, keys, targets):
+        return super()._get_into(self._reversed(keys), targets)
+
+    def _put_from(self, keys, sources):
+        return super()._put_from(self._reversed(keys), sources)
+
+    def _delete(self, keys):
+        return super()._delete(self._reversed(keys))
