@@ -24,8 +24,21 @@ from hicache_storage.connector import Connector
 from hicache_storage.buffers import Segments, fill_segments, segments_size
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.config import BackendConfig
-from hicache_storage.conformance.backdoor import MemoryBackdoor, register_backdoor
+from hicache_storage.conformance.backdoor import (
+    FsspecBackdoor,
+    HF3FSBackdoor,
+    MemoryBackdoor,
+    MooncakeBackdoor,
+    RedisBackdoor,
+    S3Backdoor,
+    register_backdoor,
+)
+from hicache_storage.connectors.fsspec import FsspecBackend
+from hicache_storage.connectors.hf3fs import HF3FSBackend
 from hicache_storage.connectors.memory import MemoryBackend, MemoryConfig
+from hicache_storage.connectors.mooncake import MooncakeBackend
+from hicache_storage.connectors.redis import RedisBackend
+from hicache_storage.connectors.s3 import S3Backend
 from hicache_storage.errors import StorageError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 
@@ -929,3 +942,63 @@ class ReversedHashes(Connector):
 
     def _delete(self, keys):
         return super()._delete(self._reversed(keys))
+
+
+# --- connectors with a server, wrong both ways ------------------------------------------------
+# Each writes pages under other names or as other bytes and undoes it on read, so every round
+# trip passes; each claims its parent's documented layout (declares its parent's backdoor), which
+# is what catches it. Not in MUTANTS: they need a server and a config
+# (tests/test_conformance_detects_broken.py runs them).
+
+#: Every byte flipped: a page stored through it is never its caller's bytes.
+_FLIP = bytes(b ^ 0xA5 for b in range(256))
+
+
+class FlippedBytes(Connector):
+    """Mixed in before a connector: flips every byte it writes and flips it back on read."""
+
+    def _put_from(self, keys, sources):
+        return super()._put_from(keys, [[memoryview(b"".join(source).translate(_FLIP))] for source in sources])
+
+    def _get_into(self, keys, targets):
+        hits = super()._get_into(keys, targets)
+        for hit, target in zip(hits, targets):
+            for view in target if hit else ():
+                view[:] = bytes(view).translate(_FLIP)
+        return hits
+
+
+class RekeyedRedis(RedisBackend):
+    """Its naming method puts the page hash reversed in the Redis key: a key scheme the docstring does not describe."""
+
+    def _name(self, key):
+        return super()._name(key.scope.key(key.page_hash[::-1]))
+
+
+class ScrambledS3(FlippedBytes, S3Backend):
+    """Stores every page's bytes flipped and flips them back on read."""
+
+
+class RekeyedMooncake(MooncakeBackend):
+    """Its naming method puts the page hash reversed in the object key."""
+
+    def _object_key(self, key):
+        return super()._object_key(key.scope.key(key.page_hash[::-1]))
+
+
+class RekeyedHF3FS(ReversedHashes, HF3FSBackend):
+    """Publishes every page in the slot index under its hash reversed."""
+
+
+class ScrambledFsspec(FlippedBytes, FsspecBackend):
+    """Stores every page's bytes flipped and flips them back on read."""
+
+
+for _broken, _backdoor in (
+    (RekeyedRedis, RedisBackdoor),
+    (ScrambledS3, S3Backdoor),
+    (RekeyedMooncake, MooncakeBackdoor),
+    (RekeyedHF3FS, HF3FSBackdoor),
+    (ScrambledFsspec, FsspecBackdoor),
+):
+    register_backdoor(_broken, _backdoor)

@@ -160,3 +160,53 @@ def test_the_report_names_an_untyped_error_as_such(named_runs):
     assert "a zero-byte page as the first page put: ZeroDivisionError" in first_put["test_only_storage_errors_escape"]
     lying = {r["clause"]: r["detail"] for r in named_runs["LyingExists"]["report"]["results"]}
     assert not lying["test_misses_are_per_key"].startswith("untyped error")
+
+
+# --- connectors with a server, wrong both ways: only the backdoor catches them -----------------
+
+#: Each broken connector of tests/broken_backends.py that is wrong both ways, with its parent's
+#: configuration in hicache_storage.testing.connector_configs.
+BOTH_WAYS = {
+    "RekeyedRedis": "redis",
+    "ScrambledS3": "s3",
+    "RekeyedMooncake": "mooncake",
+    "RekeyedHF3FS": "hf3fs",
+    "ScrambledFsspec": "fsspec-memory",
+}
+#: The clauses that read or write through the backdoor (the realistic sizes read it too).
+BACKDOOR_CLAUSES = {
+    "test_backdoor_sees_what_put_stored",
+    "test_get_and_exists_serve_what_the_backdoor_stored",
+    "test_delete_removes_what_the_backdoor_sees",
+    "test_roundtrip_realistic_page_size[3MiB+7]",
+    "test_roundtrip_realistic_page_size[20MiB]",
+}
+ROUND_TRIPS_AND_BACKDOOR = "backdoor or realistic or roundtrip_segments or buffer_roundtrip or (test_roundtrip and random)"
+
+
+@pytest.fixture(scope="module")
+def both_ways_runs(request, tmp_path_factory) -> dict[str, dict]:
+    """The backdoor clauses and a round trip of every kind (-k: test_roundtrip's random pages only,
+    as its other patterns move the same bytes), on each connector's real server; two processes."""
+    from hicache_storage.testing.connector_configs import CONFIGS
+
+    scratch = tmp_path_factory.mktemp("both-ways-data")
+    runs = {}
+    for broken, label in BOTH_WAYS.items():
+        entry = CONFIGS[label]
+        servers = {name: request.getfixturevalue(name) for name in entry.servers}
+        config = entry.config(servers, scratch, f"both-ways-{broken.lower()}")
+        runs[broken] = [broken, "--config", json.dumps(config), "-k", ROUND_TRIPS_AND_BACKDOOR]
+    return run_suites(runs, tmp_path_factory.mktemp("both-ways"), processes=2)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("broken", BOTH_WAYS)
+def test_backdoor_catches_a_connector_wrong_both_ways(both_ways_runs, broken):
+    """Re-keyed or scrambled on write and undone on read: every round trip passes, and every backdoor
+    clause its store can run fails (the realistic sizes are unsupported above 3FS's 1 MiB slots)."""
+    outcomes = outcomes_of(both_ways_runs[broken])
+    ran = {clause for clause, outcome in outcomes.items() if outcome != "unsupported"}
+    assert "test_backdoor_sees_what_put_stored" in ran
+    assert {clause for clause in ran if outcomes[clause] == "failed"} == ran & BACKDOOR_CLAUSES
+    assert all(outcomes[clause] == "passed" for clause in ran - BACKDOOR_CLAUSES), outcomes
