@@ -24,6 +24,7 @@ from hicache_storage.layers import (
     find_layer,
     stack_layers,
 )
+from hicache_storage.store import Store
 
 NAMESPACE = Namespace(model="layer-tests", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
@@ -72,7 +73,7 @@ class RecordingMemory(MemoryBackend):
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_every_layer_forwards_every_operation(kind):
     inner = RecordingMemory()
-    store = stack_layers(inner, [{"kind": kind}])
+    store = Store(stack_layers(inner, [{"kind": kind}]))
     page = [b"a" * 64]
     assert store.put(keys(1), page) == [True]
     assert store.exists(keys(2)) == [True, False]
@@ -110,8 +111,9 @@ def test_name_shows_the_chain_innermost_first():
 def test_capabilities_come_from_the_inner_backend():
     inner = MemoryBackend({"capacity_bytes": 10_000})
     inner.capabilities = inner.capabilities.replace(max_batch=5)
-    store = RetryLayer(inner)
-    assert store.capabilities == inner.capabilities
+    layer = RetryLayer(inner)
+    assert layer.capabilities == inner.capabilities
+    store = Store(layer)
     # Batches are split to the inner's limit before any inner hook sees them (a put writes the
     # last chunk first, so the head of a prefix is the most recent: test_backend_contract.py).
     seen = []
@@ -126,7 +128,7 @@ def test_inner_errors_name_the_inner_backend():
         def _exists(self, keys):
             raise BackendUnavailableError("connection refused")
 
-    store = MetricsLayer(Down())
+    store = Store(MetricsLayer(Down()))
     with pytest.raises(BackendUnavailableError) as caught:
         store.exists(keys(1))
     assert caught.value.backend == "memory"
@@ -140,7 +142,7 @@ def test_an_inner_breaking_the_result_contract_is_caught(results):
             return results
 
     # Integrity post-processes results per key: it must not hide a wrong count by zipping.
-    store = IntegrityLayer(Liar(), {"verify_exists": True})
+    store = Store(IntegrityLayer(Liar(), {"verify_exists": True}))
     with pytest.raises(BackendContractError) as caught:
         store.exists(keys(2))
     assert caught.value.backend == "memory"
@@ -148,7 +150,7 @@ def test_an_inner_breaking_the_result_contract_is_caught(results):
 
 def test_closed_inner_is_refused_through_the_layer():
     inner = MemoryBackend()
-    store = RetryLayer(inner)
+    store = Store(RetryLayer(inner))
     inner.close()
     with pytest.raises(Exception, match="closed"):
         store.exists(keys(1))
@@ -160,7 +162,7 @@ def test_wrapping_something_that_is_not_a_backend_is_refused():
 
 
 def test_stats_show_every_layers_counters():
-    store = stack_layers(MemoryBackend(), [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "retry"}])
+    store = Store(stack_layers(MemoryBackend(), [{"kind": "integrity"}, {"kind": "timeout"}, {"kind": "retry"}]))
     stats = store.stats()
     for name in ("integrity_miss_checksum", "timeouts", "retries", "get_calls"):
         assert name in stats
@@ -279,7 +281,7 @@ def test_segments_reach_the_inner_unchanged_through_pass_through_layers():
             seen.extend(targets)
             return super()._get_into(keys, targets)
 
-    store = stack_layers(Spy(), [{"kind": "retry"}, {"kind": "metrics"}])
+    store = Store(stack_layers(Spy(), [{"kind": "retry"}, {"kind": "metrics"}]))
     store.put(keys(1), [b"z" * 32])
     target = bytearray(32)
     assert store.get_into(keys(1), [target]) == [True]
@@ -287,8 +289,8 @@ def test_segments_reach_the_inner_unchanged_through_pass_through_layers():
 
 
 def test_counters_of_stacked_layers_of_one_kind_add_up():
-    store = stack_layers(MemoryBackend(), [{"kind": "faults", "exists": {"error_rate": 1.0}}, {"kind": "retry", "attempts": 2, "base_seconds": 0.0001}])
-    store = stack_layers(store, [{"kind": "retry", "attempts": 3, "base_seconds": 0.0001}])
+    top = stack_layers(MemoryBackend(), [{"kind": "faults", "exists": {"error_rate": 1.0}}, {"kind": "retry", "attempts": 2, "base_seconds": 0.0001}])
+    store = Store(stack_layers(top, [{"kind": "retry", "attempts": 3, "base_seconds": 0.0001}]))
     with pytest.raises(BackendUnavailableError):
         store.exists(keys(1))
     # The inner retry tries twice (1 retry), gives up and marks the error persistent, which the

@@ -14,6 +14,7 @@ from hicache_storage.errors import ConfigError, ValueTooLargeError
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
 from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer, find_layer, stack_layers
 from hicache_storage.layers.integrity import TRAILER_SIZE, check_trailer, make_trailer
+from hicache_storage.store import Store
 
 NAMESPACE = Namespace(model="integrity-tests", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
@@ -35,18 +36,18 @@ def memory():
 
 @pytest.fixture
 def store(memory):
-    store = IntegrityLayer(memory)
+    store = Store(IntegrityLayer(memory))
     yield store
     store.close()
 
 
 def stored(memory: MemoryBackend, key: PageKey, size: int = SIZE + TRAILER_SIZE) -> bytearray:
-    (value,) = memory.get([key], size)
+    (value,) = Store(memory).get([key], size)
     assert value is not None
     return bytearray(value)
 
 
-def misses(store: IntegrityLayer, reason: str) -> int:
+def misses(store: Store, reason: str) -> int:
     return store.stats()[f"integrity_miss_{reason}"]
 
 
@@ -67,7 +68,7 @@ def test_reads_land_in_the_callers_buffers_without_a_copy(memory):
             seen.extend(targets)
             return super()._get_into(keys, targets)
 
-    store = IntegrityLayer(Spy())
+    store = Store(IntegrityLayer(Spy()))
     store.put(keys(1), [page(2)])
     head, tail = bytearray(400), bytearray(600)
     assert store.get_into(keys(1), [[head, tail]]) == [True]
@@ -82,7 +83,7 @@ def test_a_torn_page_reads_as_a_miss(store, memory):
     first = stored(memory, key)
     store.put([key], [page(2)])
     second = stored(memory, key)
-    memory.put([key], [first[: SIZE // 2] + second[SIZE // 2 :]])
+    Store(memory).put([key], [first[: SIZE // 2] + second[SIZE // 2 :]])
     assert store.get([key], SIZE) == [None]
     assert misses(store, "checksum") == 1
 
@@ -92,11 +93,11 @@ def test_a_truncated_page_reads_as_a_miss(store, memory):
     store.put([key], [page(1)])
     raw = stored(memory, key)
     # The first 600 bytes survived, then the trailer: a reader expecting 600-byte pages.
-    memory.put([key], [raw[:600] + raw[SIZE:]])
+    Store(memory).put([key], [raw[:600] + raw[SIZE:]])
     assert store.get([key], 600) == [None]
     assert misses(store, "length") == 1
     # Cut without its trailer: the length no longer matches any page of this size.
-    memory.put([key], [raw[:SIZE]])
+    Store(memory).put([key], [raw[:SIZE]])
     assert store.get([key], SIZE) == [None]
     assert store.get([key], SIZE - TRAILER_SIZE) == [None]
 
@@ -105,7 +106,7 @@ def test_bytes_of_another_key_read_as_a_miss(store, memory):
     """Key A's stored value copied under key B (a misdirected write or rename)."""
     a, b = keys(2)
     store.put([a], [page(1)])
-    memory.put([b], [stored(memory, a)])
+    Store(memory).put([b], [stored(memory, a)])
     assert store.get([b], SIZE) == [None]
     assert store.get([a], SIZE) == [page(1)]
     assert misses(store, "key") == 1
@@ -127,7 +128,7 @@ def test_a_page_of_another_identity_reads_as_a_miss(store, memory, other):
     ours, theirs = keys(1)[0], keys(1, other)[0]
     assert ours.page_hash == theirs.page_hash
     store.put([theirs], [page(3)])
-    memory.put([ours], [stored(memory, theirs)])
+    Store(memory).put([ours], [stored(memory, theirs)])
     assert store.get([ours], SIZE) == [None]
     assert misses(store, "key") == 1
 
@@ -151,7 +152,7 @@ def test_a_flipped_byte_anywhere_reads_as_a_miss(store, memory, offset, reason):
     store.put([key], [page(4)])
     raw = stored(memory, key)
     raw[offset] ^= 0x40
-    memory.put([key], [raw])
+    Store(memory).put([key], [raw])
     assert store.get([key], SIZE) == [None]
     assert misses(store, reason) == 1
 
@@ -161,14 +162,14 @@ def test_a_reserved_byte_flip_is_caught_by_the_checksum(store, memory):
     store.put([key], [page(4)])
     raw = stored(memory, key)
     raw[SIZE + 7] ^= 1
-    memory.put([key], [raw])
+    Store(memory).put([key], [raw])
     assert store.get([key], SIZE) == [None]
     assert misses(store, "checksum") == 1
 
 
 def test_values_written_without_the_layer_read_as_misses(store, memory):
     key = keys(1)[0]
-    memory.put([key], [page(5, SIZE + TRAILER_SIZE)])
+    Store(memory).put([key], [page(5, SIZE + TRAILER_SIZE)])
     assert store.get([key], SIZE) == [None]
     assert misses(store, "magic") == 1
 
@@ -178,13 +179,13 @@ def test_only_the_damaged_page_of_a_batch_is_a_miss(store, memory):
     store.put(batch, [page(i) for i in range(5)])
     raw = stored(memory, batch[2])
     raw[10] ^= 1
-    memory.put([batch[2]], [raw])
+    Store(memory).put([batch[2]], [raw])
     assert store.get(batch, SIZE) == [page(0), page(1), None, page(3), page(4)]
 
 
 @pytest.mark.parametrize("fault", ["corrupt_rate", "short_read_rate"])
 def test_injected_corruption_and_short_reads_never_reach_the_caller(fault):
-    store = stack_layers(MemoryBackend(), [{"kind": "faults", "seed": 9, "get": {fault: 0.5}}, {"kind": "integrity"}])
+    store = Store(stack_layers(MemoryBackend(), [{"kind": "faults", "seed": 9, "get": {fault: 0.5}}, {"kind": "integrity"}]))
     batch = keys(40)
     pages = [page(i) for i in range(40)]
     store.put(batch, pages)
@@ -204,29 +205,29 @@ def test_exists_trusts_the_store_by_default(store, memory):
     store.put([key], [page(1)])
     raw = stored(memory, key)
     raw[0] ^= 1
-    memory.put([key], [raw])
+    Store(memory).put([key], [raw])
     assert store.exists([key]) == [True]  # documented: callers handle the miss on read
     assert store.get([key], SIZE) == [None]
 
 
 def test_verified_exists_reads_pages_of_known_size(memory):
-    store = IntegrityLayer(memory, {"verify_exists": True})
+    store = Store(IntegrityLayer(memory, {"verify_exists": True}))
     good, bad = keys(2)
     other_scope = KeyScope(NAMESPACE, part="v")
     unseen = keys(1, other_scope)[0]
     store.put([good, bad], [page(1), page(2)])
     raw = stored(memory, bad)
     raw[0] ^= 1
-    memory.put([bad], [raw])
-    memory.put([unseen], [b"not a page of a known size"])
+    Store(memory).put([bad], [raw])
+    Store(memory).put([unseen], [b"not a page of a known size"])
     assert store.exists([good, bad, unseen]) == [True, False, True]
     assert store.prefix_exists([good, bad]) == 1
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "blake2b"])
 def test_each_checksum_kind_round_trips_and_any_reader_verifies_it(memory, checksum):
-    writer = IntegrityLayer(memory, {"checksum": checksum})
-    reader = IntegrityLayer(memory, {"checksum": "crc32" if checksum == "blake2b" else "blake2b"})
+    writer = Store(IntegrityLayer(memory, {"checksum": checksum}))
+    reader = Store(IntegrityLayer(memory, {"checksum": "crc32" if checksum == "blake2b" else "blake2b"}))
     writer.put(keys(1), [page(6)])
     assert reader.get(keys(1), SIZE) == [page(6)]
     kind = stored(memory, keys(1)[0])[SIZE + 6]
@@ -244,7 +245,7 @@ def test_trailer_layout_is_the_documented_one():
 
 
 def test_max_value_size_leaves_room_for_the_trailer():
-    store = IntegrityLayer(MemoryBackend({"capacity_bytes": 1000}))
+    store = Store(IntegrityLayer(MemoryBackend({"capacity_bytes": 1000})))
     assert store.capabilities.max_value_size == 1000 - TRAILER_SIZE
     assert store.put(keys(1), [bytes(1000 - TRAILER_SIZE)]) == [True]
     with pytest.raises(ValueTooLargeError):
@@ -258,7 +259,7 @@ def test_a_store_too_small_for_the_trailer_is_a_config_error():
 
 def test_failures_are_logged_with_the_key_and_reason(store, memory, caplog):
     key = keys(1)[0]
-    memory.put([key], [bytes(SIZE + TRAILER_SIZE)])
+    Store(memory).put([key], [bytes(SIZE + TRAILER_SIZE)])
     with caplog.at_level(logging.WARNING, logger="hicache_storage.layers.integrity"):
         store.get([key], SIZE)
     assert "failed its magic check" in caplog.text and key.page_hash in caplog.text
@@ -294,7 +295,7 @@ def _address(view):
 
 def test_reads_into_a_registered_pool_stay_in_registered_memory_trailer_included():
     inner = RegisteringMemory()
-    store = IntegrityLayer(inner)
+    store = Store(IntegrityLayer(inner))
     pool = bytearray(4 * SIZE)
     store.register_buffer(pool)
     view = memoryview(pool)
@@ -308,16 +309,16 @@ def test_reads_into_a_registered_pool_stay_in_registered_memory_trailer_included
 
 
 def test_more_reads_than_trailer_slots_still_verify():
-    store = IntegrityLayer(RegisteringMemory(), {"trailer_slots": 1})
+    store = Store(IntegrityLayer(RegisteringMemory(), {"trailer_slots": 1}))
     store.put(keys(3), [page(i) for i in range(3)])
     assert store.get(keys(3), SIZE) == [page(i) for i in range(3)]
-    assert store._slots._free == [0]
+    assert store.top._slots._free == [0]
 
 
 def test_a_store_that_does_not_register_gets_no_registration():
     inner = RegisteringMemory()
     inner.capabilities = MemoryBackend.capabilities
-    store = IntegrityLayer(inner)
+    store = Store(IntegrityLayer(inner))
     store.put(keys(1), [page(1)])
     assert store.get(keys(1), SIZE) == [page(1)]
     assert inner.ranges == []
@@ -340,7 +341,7 @@ def test_a_hit_without_a_delivered_trailer_fails_even_after_a_good_read():
             return [True] * len(keys)
 
     inner = ForgetsTrailer()
-    store = IntegrityLayer(inner, {"trailer_slots": 1})
+    store = Store(IntegrityLayer(inner, {"trailer_slots": 1}))
     store.put(keys(1), [page(1)])
     assert store.get(keys(1), SIZE) == [page(1)]
     inner.forget = True

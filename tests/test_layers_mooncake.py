@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_storage import create_backend
+from hicache_storage import Store, create_backend
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.layers import connector_of, stack_layers
@@ -23,7 +23,7 @@ PAGE = 4096
 
 @pytest.mark.parametrize(("trailer_slots", "path"), [(1024, "direct"), (0, "staged")])
 def test_integrity_reads_into_a_registered_pool_are_zero_copy(mooncake_master, trailer_slots, path):
-    store = stack_layers(create_backend("mooncake", mooncake_master.client_config()), [{"kind": "integrity", "trailer_slots": trailer_slots}])
+    store = Store(stack_layers(create_backend("mooncake", mooncake_master.client_config()), [{"kind": "integrity", "trailer_slots": trailer_slots}]))
     connector = connector_of(store)
     paths = []
     registered_addresses = connector._registered_addresses  # how the connector picks its path

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hicache_storage import create_backend
+from hicache_storage import Store, create_backend
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.layers import TimeoutLayer, stack_layers
@@ -35,8 +35,9 @@ def frozen_redis() -> Iterator[object]:
 
 def test_a_frozen_redis_cannot_block_callers_or_write_into_returned_buffers(frozen_redis):
     inner = create_backend("redis", {"url": frozen_redis.url, "socket_timeout": 60, "retries": 0})
-    store = stack_layers(inner, [{"kind": "integrity"}, {"kind": "timeout", "seconds": 0.5, "workers": 2}])
-    assert isinstance(store, TimeoutLayer)
+    timeout = stack_layers(inner, [{"kind": "integrity"}, {"kind": "timeout", "seconds": 0.5, "workers": 2}])
+    assert isinstance(timeout, TimeoutLayer)
+    store = Store(timeout)
     keys = SCOPE.keys([f"{i:016x}" for i in range(3)])
     pages = [bytes([i + 1]) * PAGE for i in range(3)]
     assert store.put(keys, pages) == [True] * 3
@@ -52,7 +53,7 @@ def test_a_frozen_redis_cannot_block_callers_or_write_into_returned_buffers(froz
         store.exists(keys)
 
     frozen_redis.thaw()
-    assert store.wait_idle(60)
+    assert timeout.wait_idle(60)
     assert target == bytearray(b"\xee" * PAGE), "a late read wrote into a buffer whose call had failed"
     assert store.stats()["timeout_late_completions"] == 3
     assert store.get(keys, PAGE) == pages

@@ -18,6 +18,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 from hicache_storage.layers import RetryLayer, stack_layers
+from hicache_storage.store import Store
 
 SCOPE = KeyScope(Namespace(model="retry-tests", kv_dtype="bfloat16", page_size=16))
 
@@ -54,13 +55,14 @@ class FakeClock:
         self.now += seconds
 
 
-def retrying(inner, **config) -> tuple[RetryLayer, FakeClock]:
-    store = RetryLayer(inner, {"seed": 7, **config})
+def retrying(inner, **config) -> tuple[Store, FakeClock]:
+    """A store over a retry layer over ``inner`` whose pauses go to a fake clock, and the clock."""
+    retry = RetryLayer(inner, {"seed": 7, **config})
     clock = FakeClock()
-    store._sleep, store._clock = clock.sleep, lambda: clock.now
+    retry._sleep, retry._clock = clock.sleep, lambda: clock.now
     if isinstance(inner, Flaky) and inner.clock is None:
         inner.clock = clock
-    return store, clock
+    return Store(retry), clock
 
 
 @pytest.mark.parametrize("error", [BackendUnavailableError("refused"), StorageTimeoutError("slow"), ThrottledError("503")])
@@ -148,12 +150,14 @@ def test_the_same_seed_gives_the_same_schedule():
 
 
 def test_retry_hides_injected_retryable_faults_from_a_workload():
-    store = stack_layers(
-        MemoryBackend(),
-        [
-            {"kind": "faults", "seed": 5, "put": {"error_rate": 0.4}, "get": {"error_rate": 0.4, "errors": ["throttled"]}},
-            {"kind": "retry", "attempts": 50, "base_seconds": 0.0001, "cap_seconds": 0.0005, "deadline_seconds": None},
-        ],
+    store = Store(
+        stack_layers(
+            MemoryBackend(),
+            [
+                {"kind": "faults", "seed": 5, "put": {"error_rate": 0.4}, "get": {"error_rate": 0.4, "errors": ["throttled"]}},
+                {"kind": "retry", "attempts": 50, "base_seconds": 0.0001, "cap_seconds": 0.0005, "deadline_seconds": None},
+            ],
+        )
     )
     pages = [bytes([i]) * 32 for i in range(40)]
     for i, page in enumerate(pages):
@@ -165,12 +169,14 @@ def test_retry_hides_injected_retryable_faults_from_a_workload():
 
 
 def test_only_the_configured_operations_are_retried():
-    store = stack_layers(
-        MemoryBackend(),
-        [
-            {"kind": "faults", "put": {"error_rate": 1.0}, "exists": {"error_rate": 1.0}},
-            {"kind": "retry", "attempts": 3, "base_seconds": 0.0001, "operations": ["exists"]},
-        ],
+    store = Store(
+        stack_layers(
+            MemoryBackend(),
+            [
+                {"kind": "faults", "put": {"error_rate": 1.0}, "exists": {"error_rate": 1.0}},
+                {"kind": "retry", "attempts": 3, "base_seconds": 0.0001, "operations": ["exists"]},
+            ],
+        )
     )
     with pytest.raises(BackendUnavailableError):
         store.put(keys(1), [b"x"])

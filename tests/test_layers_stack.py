@@ -11,7 +11,7 @@ import pytest
 from hicache_storage import ConfigError, KeyScope, Namespace, Store, StoreSpec, open_store
 from hicache_storage.cli import main as cli_main
 from hicache_storage.connectors.memory import MemoryBackend
-from hicache_storage.layers import TimeoutLayer, find_layer, stack_layers
+from hicache_storage.layers import MetricsLayer, TimeoutLayer, find_layer, stack_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 SCOPE = KeyScope(Namespace(model="stack-tests", kv_dtype="bfloat16", page_size=16))
@@ -55,10 +55,10 @@ def test_a_capability_changed_after_opening_is_seen_through_every_layer():
 
 def test_a_capability_changed_after_opening_is_seen_by_the_facade_split():
     connector = SizesSlotsOnFirstPut()
-    store = stack_layers(connector, [{"kind": "metrics"}])
+    store = Store(stack_layers(connector, [{"kind": "metrics"}]))
     keys = SCOPE.keys([f"{i:064x}" for i in range(8)])
     store.put(keys[:1], [b"a"])  # the connector now declares max_batch=3
-    metrics = find_layer(store, type(store))
+    metrics = find_layer(store, MetricsLayer)
     before = metrics.snapshot()["operations"]["exists"]["calls"]
     assert store.exists(keys) == [True] + [False] * 7
     assert metrics.snapshot()["operations"]["exists"]["calls"] - before == 3  # 8 keys in batches of 3
@@ -191,7 +191,7 @@ def test_the_engine_opens_its_store_from_backend_config_and_layers():
     with Engine(config) as engine:
         storage = engine.controller.storage
         assert storage.name == "timeout(retry(integrity(memory)))"
-        assert storage.config.zero_copy and storage.capabilities.bounded_calls
+        assert storage.top.config.zero_copy and storage.capabilities.bounded_calls
 
 
 def test_a_store_spec_never_shows_the_connector_config():

@@ -21,6 +21,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 from hicache_storage.layers import FaultInjectionLayer, RetryLayer, TimeoutLayer
+from hicache_storage.store import Store
 
 SCOPE = KeyScope(Namespace(model="timeout-tests", kv_dtype="bfloat16", page_size=16))
 SHORT = 0.2  # seconds a caller waits; every hang below lasts until the test releases it
@@ -64,20 +65,22 @@ class Gated(MemoryBackend):
 
 
 def hanging(operation: str, inner=None, workers: int = 2):
-    """timeout(faults(memory)) where every ``operation`` call hangs until released."""
+    """A store over timeout(faults(memory)) where every ``operation`` call hangs until released,
+    with its timeout and faults layers."""
     faults = FaultInjectionLayer(inner or MemoryBackend(), {operation: {"hang_rate": 1.0}})
-    return TimeoutLayer(faults, {"seconds": SHORT, "workers": workers}), faults
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers})
+    return Store(timeout), timeout, faults
 
 
-def our_threads(store: TimeoutLayer) -> list[threading.Thread]:
-    """The live worker threads of this very store (an earlier test's store may have the same name)."""
-    named = [t for t in threading.enumerate() if t.name.startswith(f"hicache-{store.name}-")]
-    return [t for t in named if getattr(getattr(t, "_target", None), "__self__", None) is store]
+def our_threads(layer: TimeoutLayer) -> list[threading.Thread]:
+    """The live worker threads of this very layer (an earlier test's layer may have the same name)."""
+    named = [t for t in threading.enumerate() if t.name.startswith(f"hicache-{layer.name}-")]
+    return [t for t in named if getattr(getattr(t, "_target", None), "__self__", None) is layer]
 
 
 def test_a_hung_read_times_out_and_its_late_completion_never_writes_the_callers_buffer():
     spy = SpyMemory()
-    store, faults = hanging("get", spy)
+    store, timeout, faults = hanging("get", spy)
     page = bytes(range(256)) * 4
     assert store.put(keys(1), [page]) == [True]
     target = bytearray(len(page))
@@ -89,7 +92,7 @@ def test_a_hung_read_times_out_and_its_late_completion_never_writes_the_callers_
 
     # Let the hung read finish now that its caller has been told it failed.
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert store.stats()["timeout_late_completions"] == 1
     # The store really did deliver the page, late, but into a staging buffer, not the caller's.
     assert spy.read_results == [True]
@@ -101,15 +104,15 @@ def test_a_hung_read_times_out_and_its_late_completion_never_writes_the_callers_
 
 def test_a_hung_write_stores_the_bytes_passed_never_what_the_caller_wrote_afterwards():
     memory = MemoryBackend()
-    store, faults = hanging("put", memory)
+    store, timeout, faults = hanging("put", memory)
     source = bytearray(b"original" * 128)
     with pytest.raises(StorageTimeoutError):
         store.put_from(keys(1), [source])
     source[:] = b"REUSED!!" * 128  # the caller reuses its buffer once the call has returned
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert store.stats()["timeout_late_completions"] == 1
-    assert memory.get(keys(1), len(source)) == [b"original" * 128]
+    assert Store(memory).get(keys(1), len(source)) == [b"original" * 128]
     store.close()
 
 
@@ -125,8 +128,9 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
             return super()._get_into(keys, targets)
 
     inner = HangsWhenAsked()
-    store = TimeoutLayer(inner, {"seconds": SHORT, "workers": 2})
-    pool = store._staging
+    timeout = TimeoutLayer(inner, {"seconds": SHORT, "workers": 2})
+    store = Store(timeout)
+    pool = timeout._staging
     store.put(keys(2), [b"1" * 512, b"2" * 512])
     assert store.get(keys(1), 512) == [b"1" * 512]
     (first_buffer,) = pool._free
@@ -140,7 +144,7 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
     assert all(b is not first_buffer for b in pool._free)
 
     inner.release.set()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert any(b is first_buffer for b in pool._free) and len(pool._free) == 2
     assert store.get(keys(2), 512) == [b"1" * 512, b"2" * 512]
     store.close()
@@ -149,7 +153,8 @@ def test_a_staging_buffer_is_reused_only_after_its_late_call_has_returned():
 def test_beyond_max_abandoned_a_call_that_finds_no_free_worker_fails_at_once():
     faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
     # Nothing may be set aside: the timed-out call keeps the one worker.
-    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 1, "max_abandoned": 0})
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": 1, "max_abandoned": 0})
+    store = Store(timeout)
     store.put(keys(1), [b"p" * 64])
     errors = []
     caller = threading.Thread(target=lambda: errors.append(_raised(store.get, keys(1), 64)))
@@ -162,10 +167,10 @@ def test_beyond_max_abandoned_a_call_that_finds_no_free_worker_fails_at_once():
     with pytest.raises(StorageTimeoutError, match=r"appears hung: 1 calls have not returned .*\(0 set aside"):
         store.exists(keys(1))
     assert store.stats()["timeout_busy"] == 1
-    assert store.in_flight == 1
+    assert timeout.in_flight == 1
 
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert store.exists(keys(1)) == [True]
     store.close()
 
@@ -174,7 +179,8 @@ def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_th
     """More calls than workers hang for good; once the store answers again, so does the layer."""
     workers = 2
     faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
-    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": 4})
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": 4})
+    store = Store(timeout)
     pages = {key: bytes([i + 1]) * 256 for i, key in enumerate(keys(4))}
     assert store.put(list(pages), list(pages.values())) == [True] * 4
 
@@ -183,7 +189,7 @@ def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_th
         with pytest.raises(StorageTimeoutError, match="did not answer"):
             store.get(keys(1), 256)
     assert faults.wait_for_hangs(hung, timeout=30)
-    assert store.in_flight == hung  # the hung inner calls have not returned: they are still in flight
+    assert timeout.in_flight == hung  # the hung inner calls have not returned: they are still in flight
 
     faults.pause()  # the store answers again; the hung calls stay hung
     for _ in range(3):
@@ -194,14 +200,14 @@ def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_th
     stats = store.stats()
     assert stats["timeouts"] == hung and stats["timeout_busy"] == 0
     assert stats["timeout_late_completions"] == 0
-    assert len(our_threads(store)) == workers + hung  # each set-aside call keeps its thread, replaced
+    assert len(our_threads(timeout)) == workers + hung  # each set-aside call keeps its thread, replaced
 
     faults.release_hangs()
-    assert store.wait_idle(30)
-    assert store.in_flight == 0
+    assert timeout.wait_idle(30)
+    assert timeout.in_flight == 0
     assert store.stats()["timeout_late_completions"] == hung
     assert store.get(keys(1), 256) == [pages[keys(1)[0]]]
-    threads = our_threads(store)
+    threads = our_threads(timeout)
     store.close()
     for thread in threads:
         thread.join(30)
@@ -211,14 +217,15 @@ def test_hung_calls_are_set_aside_and_later_calls_succeed_without_waiting_for_th
 def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at_once():
     workers, max_abandoned = 2, 3
     faults = FaultInjectionLayer(MemoryBackend(), {"get": {"hang_rate": 1.0}})
-    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": max_abandoned})
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": workers, "max_abandoned": max_abandoned})
+    store = Store(timeout)
     store.put(keys(1), [b"b" * 64])
     stuck = workers + max_abandoned
     for _ in range(stuck):  # 3 set aside, then 2 that keep their workers: the bound is reached
         with pytest.raises(StorageTimeoutError, match="did not answer"):
             store.get(keys(1), 64)
     assert faults.wait_for_hangs(stuck, timeout=30)
-    assert len(our_threads(store)) == workers + max_abandoned
+    assert len(our_threads(timeout)) == workers + max_abandoned
 
     faults.pause()  # even a store that answers again gets no call: no worker is free
     for operation in (lambda: store.get(keys(1), 64), lambda: store.exists(keys(1))):
@@ -226,13 +233,13 @@ def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at
             with pytest.raises(StorageTimeoutError, match=rf"appears hung: {stuck} calls .*\(3 set aside, .* 2 holding"):
                 operation()
     assert store.stats()["timeout_busy"] == 10
-    assert len(our_threads(store)) == workers + max_abandoned
-    assert faults.hanging == stuck and store.in_flight == stuck
+    assert len(our_threads(timeout)) == workers + max_abandoned
+    assert faults.hanging == stuck and timeout.in_flight == stuck
 
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert store.get(keys(1), 64) == [b"b" * 64]
-    threads = our_threads(store)
+    threads = our_threads(timeout)
     assert len(threads) <= workers + max_abandoned
     store.close()
     for thread in threads:
@@ -242,7 +249,8 @@ def test_threads_stay_within_workers_plus_max_abandoned_and_calls_beyond_fail_at
 
 def test_when_a_set_aside_call_returns_an_overdue_one_takes_its_place_and_frees_a_worker():
     gates = Gated(2)  # the first two reads hang, each until its own gate opens
-    store = TimeoutLayer(gates, {"seconds": SHORT, "workers": 1, "max_abandoned": 1, "zero_copy": True})
+    timeout = TimeoutLayer(gates, {"seconds": SHORT, "workers": 1, "max_abandoned": 1, "zero_copy": True})
+    store = Store(timeout)
     store.put(keys(1), [b"g" * 32])
     with pytest.raises(StorageTimeoutError) as first:
         store.get(keys(1), 32)  # set aside
@@ -255,15 +263,16 @@ def test_when_a_set_aside_call_returns_an_overdue_one_takes_its_place_and_frees_
     assert first.value.settled.wait(30)  # set after the worker's bookkeeping: the second is now set aside
     assert store.exists(keys(1)) == [True]
     assert store.get(keys(1), 32) == [b"g" * 32]
-    assert store.in_flight == 1 and len(our_threads(store)) <= 2
+    assert timeout.in_flight == 1 and len(our_threads(timeout)) <= 2
     gates.open(1)
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     store.close()
 
 
 def test_threads_stay_bounded_however_many_callers_hit_a_hung_store():
     faults = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}})
-    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 3, "max_abandoned": 2})
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": 3, "max_abandoned": 2})
+    store = Store(timeout)
     results = []
     callers = [threading.Thread(target=lambda: results.append(_raised(store.exists, keys(1)))) for _ in range(20)]
     for caller in callers:
@@ -271,10 +280,10 @@ def test_threads_stay_bounded_however_many_callers_hit_a_hung_store():
     for caller in callers:
         caller.join(60)
     assert all(isinstance(r, StorageTimeoutError) for r in results) and len(results) == 20
-    assert len(our_threads(store)) <= 5
+    assert len(our_threads(timeout)) <= 5
     assert faults.hanging <= 5
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     store.close()
 
 
@@ -290,7 +299,7 @@ def test_a_timed_out_try_is_retried_and_the_retry_succeeds():
             return super()._get_into(keys, targets)
 
     inner = HangsOnce()
-    store = RetryLayer(TimeoutLayer(inner, {"seconds": SHORT, "workers": 2}), {"base_seconds": 0.001, "seed": 1})
+    store = Store(RetryLayer(TimeoutLayer(inner, {"seconds": SHORT, "workers": 2}), {"base_seconds": 0.001, "seed": 1}))
     store.put(keys(1), [b"v" * 100])
     assert store.get(keys(1), 100) == [b"v" * 100]
     stats = store.stats()
@@ -305,7 +314,7 @@ def test_inner_errors_reach_the_caller_unchanged(error):
         def _exists(self, keys):
             raise error
 
-    store = TimeoutLayer(Failing(), {"seconds": 30})
+    store = Store(TimeoutLayer(Failing(), {"seconds": 30}))
     with pytest.raises(type(error)) as caught:
         store.exists(keys(1))
     assert caught.value is error
@@ -313,7 +322,7 @@ def test_inner_errors_reach_the_caller_unchanged(error):
 
 
 def test_reads_fill_every_segment_of_a_hit_and_leave_misses_alone():
-    store = TimeoutLayer(MemoryBackend(), {"seconds": 30})
+    store = Store(TimeoutLayer(MemoryBackend(), {"seconds": 30}))
     page = bytes(range(64))
     store.put(keys(1), [page])
     head, tail = bytearray(10), bytearray(54)
@@ -326,12 +335,12 @@ def test_reads_fill_every_segment_of_a_hit_and_leave_misses_alone():
 
 
 def test_close_does_not_wait_for_a_hung_call_and_workers_exit(caplog):
-    store, faults = hanging("get", workers=2)
+    store, timeout, faults = hanging("get", workers=2)
     store.put(keys(1), [b"c" * 8])
     with pytest.raises(StorageTimeoutError):
         store.get(keys(1), 8)
-    assert store.in_flight == 1
-    threads = our_threads(store)
+    assert timeout.in_flight == 1
+    threads = our_threads(timeout)
     with caplog.at_level(logging.WARNING):
         store.close()  # returns although the call still hangs
     assert "closed when the last returns" in caplog.text
@@ -339,7 +348,7 @@ def test_close_does_not_wait_for_a_hung_call_and_workers_exit(caplog):
     with pytest.raises(BackendClosedError):
         store.exists(keys(1))
     faults.release_hangs()
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     deadline = time.monotonic() + 30
     while not faults.closed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -379,7 +388,8 @@ def test_the_level_below_is_never_closed_under_a_running_call(returns):
     level below is closed only once no call runs in it: at once when they return within the
     wait, else by the call that returns last."""
     inner = BlockingExists()
-    store = TimeoutLayer(inner, {"seconds": 5.0 if returns == "within_the_close_wait" else SHORT, "workers": 2})
+    timeout = TimeoutLayer(inner, {"seconds": 5.0 if returns == "within_the_close_wait" else SHORT, "workers": 2})
+    store = Store(timeout)
     callers = [threading.Thread(target=_raised, args=(store.exists, keys(1))) for _ in range(2)]
     for caller in callers:
         caller.start()
@@ -389,7 +399,7 @@ def test_the_level_below_is_never_closed_under_a_running_call(returns):
     closer.start()
     if returns == "within_the_close_wait":
         deadline = time.monotonic() + 30
-        while not store._closing and time.monotonic() < deadline:
+        while not timeout._closing and time.monotonic() < deadline:
             time.sleep(0.001)
         inner.release.set()
         closer.join(30)
@@ -398,7 +408,7 @@ def test_the_level_below_is_never_closed_under_a_running_call(returns):
         closer.join(30)
         assert not inner.closed, "the level below was closed under a call still running in it"
         inner.release.set()
-        assert store.wait_idle(30)
+        assert timeout.wait_idle(30)
         deadline = time.monotonic() + 30
         while not inner.closed and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -432,11 +442,12 @@ def _raised(fn, *args):
 
 
 def test_staging_memory_kept_for_reuse_is_bounded():
-    store = TimeoutLayer(MemoryBackend(), {"seconds": 30, "staging_cache_bytes": 1000})
+    timeout = TimeoutLayer(MemoryBackend(), {"seconds": 30, "staging_cache_bytes": 1000})
+    store = Store(timeout)
     store.put(keys(2), [b"a" * 600, b"b" * 600])
     assert store.get(keys(1), 600) == [b"a" * 600]
     assert store.get(keys(2), 600) == [b"a" * 600, b"b" * 600]
-    assert sum(len(b) for b in store._staging._free) <= 1000
+    assert sum(len(b) for b in timeout._staging._free) <= 1000
     store.close()
 
 
@@ -461,10 +472,11 @@ def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_retu
     Whether a given call times out depends on timing; what is asserted never does.
     """
     faults = FaultInjectionLayer(MemoryBackend(), {"seed": 5, "get": {"hang_rate": 0.3, "hang_seconds": 0.03}})
-    store = TimeoutLayer(faults, {"seconds": 0.005, "workers": 3, "max_abandoned": 3})
+    timeout = TimeoutLayer(faults, {"seconds": 0.005, "workers": 3, "max_abandoned": 3})
+    store = Store(timeout)
     pages = {key: bytes([i + 1]) * 2048 for i, key in enumerate(keys(8))}
     for key, value in pages.items():
-        faults.inner.put([key], [value])
+        Store(faults.inner).put([key], [value])
     set_aside = []  # (target, sentinel) of calls that failed; checked once every late call is done
     wrong = []
 
@@ -486,11 +498,11 @@ def test_under_random_hangs_no_caller_buffer_is_ever_written_after_its_call_retu
         thread.start()
     for thread in readers:
         thread.join(120)
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert not wrong
     assert set_aside, "no call timed out: the test proved nothing"
     assert all(bytes(target) == sentinel for target, sentinel in set_aside)
-    assert len(our_threads(store)) <= 6
+    assert len(our_threads(timeout)) <= 6
     store.close()
 
 
@@ -517,7 +529,8 @@ class ZeroCopySpy(SpyMemory):
 
 def test_zero_copy_reads_and_writes_hand_the_callers_own_buffers_to_the_store():
     spy = ZeroCopySpy()
-    store = TimeoutLayer(spy, {"seconds": 30, "zero_copy": True})
+    timeout = TimeoutLayer(spy, {"seconds": 30, "zero_copy": True})
+    store = Store(timeout)
     source = bytearray(b"zero-copy page!!" * 64)
     head, tail = bytearray(400), bytearray(624)
     assert store.put_from(keys(1), [source]) == [True]
@@ -527,13 +540,13 @@ def test_zero_copy_reads_and_writes_hand_the_callers_own_buffers_to_the_store():
     assert written[0].obj is source  # the caller's own buffer object, not a staged copy
     (read,) = spy.read_targets
     assert [view.obj for view in read] == [head, tail]
-    assert store._staging._free == []  # no staging buffer was ever made
+    assert timeout._staging._free == []  # no staging buffer was ever made
     store.close()
 
 
 def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
     spy = ZeroCopySpy()
-    store = TimeoutLayer(spy, {"zero_copy": True})
+    store = Store(TimeoutLayer(spy, {"zero_copy": True}))
     assert store.capabilities == spy.capabilities.replace(bounded_calls=True)  # and it bounds every call
     pool = bytearray(4096)
     store.register_buffer(pool)
@@ -541,16 +554,17 @@ def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
     store.close()
 
     hung = FaultInjectionLayer(ZeroCopySpy(), {"register_buffer": {"hang_rate": 1.0}})
-    bounded = TimeoutLayer(hung, {"seconds": SHORT, "zero_copy": True})
+    bounded_timeout = TimeoutLayer(hung, {"seconds": SHORT, "zero_copy": True})
+    bounded = Store(bounded_timeout)
     with pytest.raises(StorageTimeoutError):  # a hung registration cannot block the caller either
         bounded.register_buffer(pool)
     hung.release_hangs()
-    assert bounded.wait_idle(30)
+    assert bounded_timeout.wait_idle(30)
     assert [view.obj for view in hung.inner.registered] == [pool]  # it went on and finished
     bounded.close()
 
     staged_spy = ZeroCopySpy()
-    staged = TimeoutLayer(staged_spy)  # the default mode: the inner sees no caller memory
+    staged = Store(TimeoutLayer(staged_spy))  # the default mode: the inner sees no caller memory
     caps = staged.capabilities
     assert not (caps.zero_copy_read or caps.zero_copy_write or caps.buffer_registration)
     staged.register_buffer(pool)
@@ -561,7 +575,8 @@ def test_zero_copy_keeps_the_inner_capabilities_and_forwards_register_buffer():
 def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_the_callers_buffer():
     spy = ZeroCopySpy()
     faults = FaultInjectionLayer(spy, {"get": {"hang_rate": 1.0}})
-    store = TimeoutLayer(faults, {"seconds": SHORT, "workers": 2, "zero_copy": True})
+    timeout = TimeoutLayer(faults, {"seconds": SHORT, "workers": 2, "zero_copy": True})
+    store = Store(timeout)
     page = bytes(range(256)) * 4
     assert store.put(keys(1), [page]) == [True]
     target = bytearray(len(page))
@@ -580,7 +595,7 @@ def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_th
     assert seen_when_settled == [page]  # the callback ran after the write had landed
     assert target == page
     assert spy.read_targets[0][0].obj is target
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert store.stats()["timeout_late_completions"] == 1
     late = []
     error.when_settled(lambda: late.append("now"))  # already settled: runs at once, here
@@ -591,7 +606,7 @@ def test_a_hung_zero_copy_read_settles_only_once_its_late_write_has_landed_in_th
 def test_a_hung_zero_copy_write_reads_the_callers_source_until_it_settles():
     spy = ZeroCopySpy()
     faults = FaultInjectionLayer(spy, {"put": {"hang_rate": 1.0}})
-    store = TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True})
+    store = Store(TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True}))
     source = bytearray(b"first" * 100)
     with pytest.raises(StorageTimeoutError) as caught:
         store.put_from(keys(1), [source])
@@ -601,18 +616,20 @@ def test_a_hung_zero_copy_write_reads_the_callers_source_until_it_settles():
     source[:] = b"later" * 100
     faults.release_hangs()
     assert settled.wait(30)
-    assert spy.get(keys(1), 500) == [b"later" * 100]
+    assert Store(spy).get(keys(1), 500) == [b"later" * 100]
     assert spy.write_sources[0][0].obj is source
     store.close()
 
 
 def test_calls_without_buffers_and_staged_calls_carry_no_settled_event():
     faults = FaultInjectionLayer(MemoryBackend(), {"exists": {"hang_rate": 1.0}, "get": {"hang_rate": 1.0}})
-    zero_copy = TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True})
+    zero_copy_timeout = TimeoutLayer(faults, {"seconds": SHORT, "zero_copy": True})
+    zero_copy = Store(zero_copy_timeout)
     with pytest.raises(StorageTimeoutError) as exists_error:
         zero_copy.exists(keys(1))
     assert exists_error.value.settled is None  # no caller buffer to protect
-    staged = TimeoutLayer(faults, {"seconds": SHORT})
+    staged_timeout = TimeoutLayer(faults, {"seconds": SHORT})
+    staged = Store(staged_timeout)
     with pytest.raises(StorageTimeoutError) as get_error:
         staged.get(keys(1), 8)
     assert get_error.value.settled is None  # the store only ever saw a staging buffer
@@ -620,7 +637,7 @@ def test_calls_without_buffers_and_staged_calls_carry_no_settled_event():
     get_error.value.when_settled(lambda: ran.append(True))
     assert ran == [True]
     faults.release_hangs()
-    assert zero_copy.wait_idle(30) and staged.wait_idle(30)
+    assert zero_copy_timeout.wait_idle(30) and staged_timeout.wait_idle(30)
     zero_copy.close()
     staged.close()
 
@@ -637,18 +654,19 @@ class WorkersStartLate(TimeoutLayer):
 
 def test_a_call_dropped_before_a_worker_started_it_is_settled_at_once_and_never_runs():
     spy = ZeroCopySpy()
-    store = WorkersStartLate(spy, {"seconds": SHORT, "workers": 1, "zero_copy": True})
-    store.go = threading.Event()
-    spy.put(keys(1), [b"d" * 64])
+    timeout = WorkersStartLate(spy, {"seconds": SHORT, "workers": 1, "zero_copy": True})
+    store = Store(timeout)
+    timeout.go = threading.Event()
+    Store(spy).put(keys(1), [b"d" * 64])
     target = bytearray(64)
     with pytest.raises(StorageTimeoutError) as caught:
         store.get_into(keys(1), [target])  # no worker yet: the caller gives up on a queued call
     assert caught.value.settled is None
-    assert store.in_flight == 0
+    assert timeout.in_flight == 0
 
-    store.go.set()  # the worker starts, finds the dropped call and skips it
+    timeout.go.set()  # the worker starts, finds the dropped call and skips it
     assert store.get(keys(2)[1:], 64) == [None]
-    assert store.wait_idle(30)
+    assert timeout.wait_idle(30)
     assert len(spy.read_targets) == 1 and spy.read_targets[0][0].obj is not target
     assert target == bytearray(64)
     stats = store.stats()
@@ -657,7 +675,7 @@ def test_a_call_dropped_before_a_worker_started_it_is_settled_at_once_and_never_
 
 
 def test_pages_of_a_mebibyte_and_more_round_trip_through_staging():
-    store = TimeoutLayer(MemoryBackend(), {"seconds": 30})
+    store = Store(TimeoutLayer(MemoryBackend(), {"seconds": 30}))
     pages = [bytes([n]) * (3 * 2**20 + n) for n in (1, 2)]
     assert store.put(keys(2), pages) == [True, True]
     assert store.get(keys(2)[:1], len(pages[0])) == [pages[0]]
