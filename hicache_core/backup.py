@@ -115,7 +115,7 @@ class StorageBackup:
         """Store the pages of one pool the store lacks, and rewrite those a read found bad;
         whether every page is stored. A page stored here stops being suspect."""
         keys = store.keys(pool.pool, pool.hashes)
-        present = guarded_call(self.metrics, lambda: store.backend.prefix_exists(keys), 0, "exists", health=health)
+        present = guarded_call(self.metrics, lambda: store.store.prefix_exists(keys), 0, "exists", health=health)
         suspects = self.suspects
         rewrite = suspects.among(pool.hashes[:present]) if pool.rewrite_suspects else []
         op.stored_pages += present - len(rewrite)
@@ -132,7 +132,7 @@ class StorageBackup:
                 try:
                     results = guarded_call(
                         self.metrics,
-                        lambda: store.backend.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
+                        lambda: store.store.put_from([keys[i] for i in batch], [pool.buffers[i] for i in batch]),
                         None,
                         "put",
                         lambda exc: pool.abandon(batch, exc),
@@ -145,7 +145,7 @@ class StorageBackup:
                 self.metrics.add(storage_staged_calls=1)
                 sources = [private_copy(pool.buffers[i], fill=True) for i in batch]
                 results = guarded_call(
-                    self.metrics, lambda: store.backend.put_from([keys[i] for i in batch], sources), None, "put", lambda exc: None, health=health
+                    self.metrics, lambda: store.store.put_from([keys[i] for i in batch], sources), None, "put", lambda exc: None, health=health
                 )
             stored = leading_successes(results)
             if pool.rewrite_suspects:

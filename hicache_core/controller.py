@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Level
 from hicache_storage.health import BreakerConfig, BreakerState, CircuitBreaker
 from hicache_storage.keys import KeyScope
 from hicache_storage.multipool import MultiPoolStore, PoolSpec
-from hicache_storage.wrappers import stack_layers
+from hicache_storage.layers import stack_layers
+from hicache_storage.store import Store
 
 from hicache_core.backup import BackupOp, StorageBackup
 from hicache_core.host_writes import HostWriter
@@ -116,7 +117,7 @@ class CacheController:
         self.tp = tp or TPContext()
         self.page_size = device.page_size
         self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
-        self.storage: StorageBackend | None = None
+        self.storage: Store | None = None
         self.scope: KeyScope | None = None
         #: Components whose state moves with the FULL KV (none for a FULL-only model).
         self.components = tiered(tree.components)
@@ -160,9 +161,10 @@ class CacheController:
 
     # --- storage attachment -------------------------------------------------------------------
 
-    def attach_storage(self, backend: StorageBackend, scope: KeyScope) -> None:
-        """Start using ``backend`` as L3 (needs a host pool); starts the backup and prefetch threads.
+    def attach_storage(self, storage: Store | Level, scope: KeyScope) -> None:
+        """Start using ``storage`` as L3 (needs a host pool); starts the backup and prefetch threads.
 
+        ``storage`` is a store, or a connector or layer to hold one over (:meth:`storage_stack`).
         Each attachment starts with a fresh :class:`StorageHealth`: a store given up after a
         permanent error is called again once it is detached and attached anew.
         """
@@ -170,23 +172,23 @@ class CacheController:
             raise ValueError("storage (L3) needs a host pool (L2) to stage pages in")
         if self.storage is not None:
             raise RuntimeError("a storage backend is already attached; detach it first")
-        given_name = backend.name
-        backend = self.storage_stack(backend)
+        given_name = storage.name
+        attached = self.storage_stack(storage)
         try:
-            backend.register_buffer(self.host.as_buffer())
+            attached.register_buffer(self.host.as_buffer())
         except Exception:  # registration is an optimization: a store that refuses it still works
-            log.exception("registering the host pool with %s failed; continuing without", backend.name)
-        self.storage, self.scope = backend, scope
+            log.exception("registering the host pool with %s failed; continuing without", attached.name)
+        self.storage, self.scope = attached, scope
         pools = [PoolSpec(scope.part), *(c.pool_spec(self.page_size) for c in self.components)]
-        store = self.store = MultiPoolStore(backend, scope, pools)
+        store = self.store = MultiPoolStore(attached, scope, pools)
         probe_key = scope.key("0" * 64)
         breaker = CircuitBreaker(
-            given_name, lambda: backend.exists([probe_key]), self.config.breaker, on_transition=self._count_transition
+            given_name, lambda: attached.exists([probe_key]), self.config.breaker, on_transition=self._count_transition
         )
         health = self.storage_health = StorageHealth(self.metrics, given_name, breaker)
         assert self.backup is not None and self.prefetcher is not None
         self.backup.start(store, health, writer=scope.shard.is_writer)
-        self.prefetcher.start(backend, scope, health, store)
+        self.prefetcher.start(scope, health, store)
 
     def _count_transition(self, old: BreakerState, new: BreakerState) -> None:
         if new is BreakerState.OPEN:
@@ -194,25 +196,28 @@ class CacheController:
         else:
             self.metrics.add(storage_breaker_closed=1)
 
-    def storage_stack(self, backend: StorageBackend) -> StorageBackend:
-        """``backend`` as the controller calls it: every call bounded within ``storage_timeout_s``.
+    def storage_stack(self, storage: Store | Level) -> Store:
+        """The store the controller calls: ``storage`` with every call bounded within ``storage_timeout_s``.
 
-        A store that does not bound its calls itself (``capabilities.bounded_calls``: a connector
+        A stack that does not bound its calls itself (``capabilities.bounded_calls``: a connector
         with client timeouts of its own, or a timeout among its layers) goes behind a zero-copy
-        timeout layer (``hicache_storage.wrappers.stack_layers``, the stack builder every caller
-        uses). Zero-copy because the controller keeps the host pages of a call that timed out
-        pinned until the call really returns (``StorageTimeoutError.when_settled``), so pages move
-        between the host pool and the store without a staging copy.
+        timeout layer (``hicache_storage.layers.stack_layers``, the stack builder every caller
+        uses), and the controller holds a new store over it. Zero-copy because the controller
+        keeps the host pages of a call that timed out pinned until the call really returns
+        (``StorageTimeoutError.when_settled``), so pages move between the host pool and the store
+        without a staging copy. A store given that needs no layer is used as it is.
         """
+        store = storage if isinstance(storage, Store) else Store(storage)
         if self.config.storage_timeout_s is None:
-            return backend
-        return stack_layers(backend, (), default_timeout={"seconds": self.config.storage_timeout_s, "zero_copy": True})
+            return store
+        top = stack_layers(store, (), default_timeout={"seconds": self.config.storage_timeout_s, "zero_copy": True})
+        return store if top is store.top else Store(top)
 
-    def detach_storage(self) -> StorageBackend | None:
+    def detach_storage(self) -> Store | None:
         """Stop using L3: queued backups and prefetches finish (bounded by the timeout), then the threads exit.
 
-        Returns the backend as attached (inside the timeout wrapper when one is configured); the
-        caller closes it. Prefetches still held by requests stay consumable.
+        Returns the store as the controller held it (over a timeout layer when one was added);
+        the caller closes it. Prefetches still held by requests stay consumable.
         """
         backend = self.storage
         if backend is None:

@@ -39,9 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache_storage.backend import StorageBackend
+from hicache_storage.connector import Level
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.spec import open_store, store_spec
+from hicache_storage.store import Store
 
 from hicache_core.admission import Admission
 from hicache_core.controller import CacheController
@@ -59,7 +60,7 @@ from hicache_core.transfer import LayerLoad
 class Engine:
     """Serves requests through the tiers ``config`` selects. Owns ``storage`` (closes it on ``close``)."""
 
-    def __init__(self, config: EngineConfig, storage: StorageBackend | None = None) -> None:
+    def __init__(self, config: EngineConfig, storage: Store | Level | None = None) -> None:
         if config.controller.buffer_only and not config.tiers.storage:
             raise ValueError("buffer-only mode stages pages for storage: it needs tiers L1+L2+L3")
         self.config = config
@@ -115,12 +116,13 @@ class Engine:
         shard = Shard(tp_rank=self.tp.rank, tp_size=self.tp.size, replicated=self.runner.replicated)
         return KeyScope(namespace, shard, self.runner.kv_part)
 
-    def attach_storage(self, backend: StorageBackend) -> None:
-        """Start using ``backend`` as L3 at runtime (with tensor parallelism: on every rank at once)."""
-        self.controller.attach_storage(backend, self.key_scope)
+    def attach_storage(self, storage: Store | Level) -> None:
+        """Start using ``storage`` (a store, or a connector or layer to hold one over) as L3 at
+        runtime (with tensor parallelism: on every rank at once)."""
+        self.controller.attach_storage(storage, self.key_scope)
 
-    def detach_storage(self) -> StorageBackend | None:
-        """Stop using L3 after draining its in-flight work; returns the backend for the caller to close."""
+    def detach_storage(self) -> Store | None:
+        """Stop using L3 after draining its in-flight work; returns the store for the caller to close."""
         return self.controller.detach_storage()
 
     def serve(self, requests: Sequence[Request]) -> list[RequestResult]:

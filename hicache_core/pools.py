@@ -376,7 +376,7 @@ class HostPool:
             self._registered.clear()
 
     def as_buffer(self) -> memoryview:
-        """The whole pool as one flat byte view (for ``StorageBackend.register_buffer``)."""
+        """The whole pool as one flat byte view (for ``Store.register_buffer``)."""
         return memoryview(self.kv.view(-1).view(torch.uint8).numpy()).cast("B")
 
     def page_segments(self, first_slot: int) -> list[torch.Tensor]:

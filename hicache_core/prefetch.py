@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, PageKey, page_hashes
 from hicache_storage.multipool import MultiPoolStore
+from hicache_storage.store import Store
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.op_thread import OpThread
@@ -169,7 +169,7 @@ class Prefetcher:
         self.page_size = host.page_size
         self.capacity = config.capacity_pages or max(1, host.num_pages // 2)
         self.pages_in_flight = 0
-        self.storage: StorageBackend | None = None
+        self.storage: Store | None = None
         self.scope: KeyScope | None = None
         self.components = tiered(tree.components)
         #: Pages before a cut each component's window needs, and the longest of them.
@@ -187,10 +187,9 @@ class Prefetcher:
         #: pages go into the tree when they end (``land``).
         self._landing: list[PrefetchOp] = []
 
-    def start(self, backend: StorageBackend, scope: KeyScope, health: StorageHealth, store: MultiPoolStore) -> None:
-        """Read from ``backend`` (as ``store``'s pools) on a new thread; a prefetch finds nothing
-        once ``health`` gave it up."""
-        self.storage, self.scope, self._health = backend, scope, health
+    def start(self, scope: KeyScope, health: StorageHealth, store: MultiPoolStore) -> None:
+        """Read from ``store``'s pools on a new thread; a prefetch finds nothing once ``health`` gave it up."""
+        self.storage, self.scope, self._health = store.store, scope, health
         self._trailing = {c.name: store.pools[c.name].trailing_pages for c in self.components}
         self.lead_pages = max(self._trailing.values(), default=0)
         self._thread.start(lambda op: self._serve(self._read, store, health, op))
@@ -441,7 +440,7 @@ class Prefetcher:
             for side in op.sides:
                 side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
         op.started_at = time.monotonic()
-        backend = store.backend
+        backend = store.store
         keys: list[PageKey] = self.scope.keys(op.hashes)
         lead = len(op.lead_hashes)
         chain = op.lead_hashes + op.hashes

@@ -56,7 +56,7 @@ from hicache_core import (
     make_conversations,
 )
 from hicache_storage.registry import create_backend
-from hicache_storage.wrappers import FaultInjectionWrapper, IntegrityWrapper
+from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer
 
 #: The tiny real model (deterministic on the CPU) the soak and the fault matrix run.
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
@@ -250,9 +250,9 @@ def run_soak(config: SoakConfig, report_path: Path | None = None) -> SoakReport:
         backend_config = config.backend_config
         if backend_config is None and config.backend == "file":
             backend_config = {"root": f"{scratch}/kv", "capacity_bytes": 8 * 2**20}
-        faults = FaultInjectionWrapper(create_backend(config.backend, backend_config),
+        faults = FaultInjectionLayer(create_backend(config.backend, backend_config),
                                        fault_spec(config.seed, hang_seconds=3 * config.storage_timeout_s))
-        integrity = IntegrityWrapper(faults)
+        integrity = IntegrityLayer(faults)
         watchdog = Watchdog(config.stall_s, report_path)
         watchdog.start()
         started = time.monotonic()
@@ -278,8 +278,8 @@ def run_soak(config: SoakConfig, report_path: Path | None = None) -> SoakReport:
                         next_sample = now + config.sample_s
                 report.epochs = epoch
                 report.engine_counters = engine.metrics.snapshot()
-                report.faults = {k: v for k, v in faults.stats().items() if k.startswith("faults_")}
-                report.integrity_misses = sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
+                report.faults = {k: v for k, v in faults.event_counts().items() if k.startswith("faults_")}
+                report.integrity_misses = sum(v for k, v in integrity.event_counts().items() if k.startswith("integrity_miss"))
         finally:
             watchdog.stop()
         report.seconds = round(time.monotonic() - started, 1)

@@ -140,7 +140,7 @@ def layer_option(args: argparse.Namespace) -> str | None:
         return args.layers  # type: ignore[no-any-return]
     if args.layers is not None:
         raise UsageError("--wrappers is the old name of --layers: give --layers only")
-    from hicache_storage.compat import renamed_message
+    from hicache_storage.deprecation import renamed_message
 
     print(f"hicache-storage: {renamed_message('--wrappers', '--layers')}", file=sys.stderr)
     args.layers = args.old_layers

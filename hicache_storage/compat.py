@@ -17,25 +17,15 @@ release, each with a :class:`DeprecationWarning` that names its replacement.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from hicache_storage import layers
 from hicache_storage.buffers import BufferLike
 from hicache_storage.connector import Connector, Level
+from hicache_storage.deprecation import renamed_message, warn_renamed
 from hicache_storage.keys import Namespace, PageKey
 from hicache_storage.store import Store
-
-
-def renamed_message(old: str, new: str) -> str:
-    """What every deprecation here says: ``old`` is now ``new``, and the old name goes in the next release."""
-    return f"{old} is deprecated: use {new} (the old name is removed in the next release)"
-
-
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """One :class:`DeprecationWarning` with :func:`renamed_message`."""
-    warnings.warn(renamed_message(old, new), DeprecationWarning, stacklevel=stacklevel)
 
 
 class StorageBackend(Connector):

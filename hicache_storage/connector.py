@@ -150,53 +150,6 @@ class Level(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} {self.config}>"
 
-    # --- transitional: the caller API of a store over this level (callers move to a Store) ------
-
-    @property
-    def facade(self) -> Any:
-        store = self.__dict__.get("_compat_store")
-        if store is None:
-            from hicache_storage.store import Store
-
-            store = self.__dict__["_compat_store"] = Store(self)
-        return store
-
-    def exists(self, keys: Any) -> list[bool]:
-        return self.facade.exists(keys)
-
-    def prefix_exists(self, keys: Any) -> int:
-        return self.facade.prefix_exists(keys)
-
-    def get_into(self, keys: Any, targets: Any) -> list[bool]:
-        return self.facade.get_into(keys, targets)
-
-    def put_from(self, keys: Any, sources: Any) -> list[bool]:
-        return self.facade.put_from(keys, sources)
-
-    def delete(self, keys: Any) -> list[bool]:
-        return self.facade.delete(keys)
-
-    def clear(self, namespace: Namespace) -> None:
-        self.facade.clear(namespace)
-
-    def get(self, keys: Any, size: int) -> list[bytes | None]:
-        return self.facade.get(keys, size)
-
-    def put(self, keys: Any, values: Any) -> list[bool]:
-        return self.facade.put(keys, values)
-
-    def register_buffer(self, buffer: Any) -> None:
-        self.facade.register_buffer(buffer)
-
-    def stats(self) -> dict[str, int]:
-        return self.facade.stats()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # --- internals ----------------------------------------------------------------------------
 
     def _count(self, **deltas: int) -> int:

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hicache_storage.buffers import BufferLike
-from hicache_storage.connector import Level
 from hicache_storage.errors import ErrorStatus, InvalidArgumentError, InvalidKeyError, StorageError
 from hicache_storage.keys import KeyScope, PageKey
 from hicache_storage.store import Store
@@ -166,11 +165,11 @@ class MultiPoolStore:
     :meth:`usable_pages`, which reports a store that fails with a retryable error as holding nothing.
     """
 
-    def __init__(self, store: Store | Level, scope: KeyScope, pools: Sequence[PoolSpec]) -> None:
-        if isinstance(store, Level):
-            store = store.facade  # transitional: callers move to passing their Store
+    def __init__(self, store: Store, scope: KeyScope, pools: Sequence[PoolSpec]) -> None:
         if not isinstance(store, Store):
-            raise InvalidArgumentError(f"store must be a Store (see open_store); got {type(store).__name__}")
+            raise InvalidArgumentError(
+                f"store must be a Store (open_store(...), or Store(connector)); got {type(store).__name__}"
+            )
         if not isinstance(scope, KeyScope):
             raise InvalidArgumentError(f"scope must be a KeyScope; got {type(scope).__name__}")
         pools = list(pools)
@@ -323,11 +322,6 @@ class MultiPoolStore:
     def get_into(self, pool: str, page_hashes: Sequence[str], buffers: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
         """Read each page of ``pool`` into its buffer(s) (``Store.get_into``, per key)."""
         return self.store.get_into(self.keys(pool, page_hashes), buffers)
-
-    @property
-    def backend(self) -> Store:
-        """Transitional: the old name of :attr:`store`."""
-        return self.store
 
     def _by_policy(self, policy: HitPolicy) -> list[PoolSpec]:
         return [spec for spec in self.pools.values() if spec.hit_policy is policy]

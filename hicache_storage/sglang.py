@@ -53,7 +53,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache_storage.backend import StorageBackend
 from hicache_storage.buffers import RawBuffer
 from hicache_storage.config import BackendConfig
 from hicache_storage.errors import (
@@ -67,6 +66,7 @@ from hicache_storage.health import BreakerConfig, BreakerState, CircuitBreaker
 from hicache_storage.keys import LAYOUTS, KeyScope, Namespace, PageKey, Shard, is_page_hash
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolSpec
 from hicache_storage.spec import StoreSpec, open_store, store_spec
+from hicache_storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class AdapterConfig(BackendConfig):
 
     connector: str = pydantic.Field(description="registered connector name (memory, file, redis, ...) or 'package.module:Class'")
     connector_config: dict[str, Any] = pydantic.Field(default_factory=dict, description="the connector's own config")
-    wrappers: list[dict[str, Any]] | None = pydantic.Field(
-        None, description='wrapper specs, innermost first, e.g. [{"kind": "integrity"}, {"kind": "timeout", "seconds": 2}]'
+    layers: list[dict[str, Any]] | None = pydantic.Field(
+        None, description='layer specs, innermost first, e.g. [{"kind": "integrity"}, {"kind": "timeout", "seconds": 2}]'
     )
     tenant: str | None = pydantic.Field(None, description="cache salt: deployments with different tenants never share pages")
     model_revision: str | None = pydantic.Field(None, description="model weights revision (commit or tag); part of every key")
@@ -127,6 +127,13 @@ class AdapterConfig(BackendConfig):
                 logger.warning("hicache_storage: %r in the extra config has no effect: %s", key, why)
         ignored = SGLANG_EXTRA_CONFIG_KEYS | SGLANG_ADDED_KEYS.keys() | SGLANG_UNREAD_KEYS.keys()
         ours = {k: v for k, v in given.items() if k not in ignored}
+        if "wrappers" in ours:
+            from hicache_storage.deprecation import warn_renamed
+
+            if "layers" in ours:
+                raise ConfigError("'wrappers' is the old name of 'layers': give 'layers' only", field="wrappers", backend="sglang-adapter")
+            warn_renamed("the extra-config key 'wrappers'", "'layers'", stacklevel=2)
+            ours["layers"] = ours.pop("wrappers")
         if "connector" not in ours:
             raise ConfigError(
                 "the hicache_storage adapter needs 'connector' in --hicache-storage-backend-extra-config "
@@ -137,8 +144,8 @@ class AdapterConfig(BackendConfig):
         return cls.parse(ours, backend="sglang-adapter")
 
     def store_spec(self) -> StoreSpec:
-        """The store this adapter opens: the connector, its config and the wrappers as its layers."""
-        return store_spec(self.connector, self.connector_config, self.wrappers)
+        """The store this adapter opens: the connector, its config and its layers."""
+        return store_spec(self.connector, self.connector_config, self.layers)
 
 
 class PageIO(str, enum.Enum):
@@ -222,7 +229,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         #: SGLang's own switch (``interface_v1``): KV pages move zero-copy through batch_get_v1 /
         #: batch_set_v1, or as flat page tensors through batch_get / batch_set.
         self.zero_copy = bool((storage_config.extra_config or {}).get("interface_v1", 0))
-        self.backend: StorageBackend = open_store(self.config.store_spec())
+        self.store: Store = open_store(self.config.store_spec())
         self.bindings: dict[str, PoolBinding] = {}
         self._lock = threading.Lock()
         self._metrics_enabled = bool(storage_config.enable_storage_metrics)
@@ -337,7 +344,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         buffer = getattr(pool, "kv_buffer", None)
         for tensor in buffer if isinstance(buffer, (list, tuple)) else [buffer]:
             if isinstance(tensor, torch.Tensor) and tensor.numel() > 0:
-                self.backend.register_buffer(tensor)
+                self.store.register_buffer(tensor)
 
     def _binding(self, name: Any) -> PoolBinding:
         binding = self.bindings.get(str(name))
@@ -378,7 +385,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         else:
             targets, nbytes = _page_segments(binding, len(keys), host_indices)
         start = time.perf_counter()
-        hits = self._guarded("get", f"read of {len(keys)} pages of pool {binding.name}", None, lambda: self.backend.get_into(page_keys, targets))
+        hits = self._guarded("get", f"read of {len(keys)} pages of pool {binding.name}", None, lambda: self.store.get_into(page_keys, targets))
         if hits is None:
             return [False] * len(keys)
         if binding.io is PageIO.FLAT:
@@ -398,13 +405,13 @@ class HiCacheStorageAdapter(HiCacheStorage):
         what = f"write of {len(keys)} pages of pool {binding.name}"
         start = time.perf_counter()
         # Keys are content hashes of the prefix: a value already stored holds these bytes.
-        stored = self._guarded("exists", what, None, lambda: self.backend.exists(page_keys))
+        stored = self._guarded("exists", what, None, lambda: self.store.exists(page_keys))
         if stored is None:
             return [False] * len(keys)
         todo = [i for i, hit in enumerate(stored) if not hit]
         if todo:
             sources = _page_sources(binding, len(keys), host_indices, {i // binding.head_groups for i in todo})
-            written = self._guarded("put", what, None, lambda: self.backend.put_from([page_keys[i] for i in todo], [sources[i] for i in todo]))
+            written = self._guarded("put", what, None, lambda: self.store.put_from([page_keys[i] for i in todo], [sources[i] for i in todo]))
             if written is None:
                 return [False] * len(keys)
             for i, ok in zip(todo, written):
@@ -428,8 +435,8 @@ class HiCacheStorageAdapter(HiCacheStorage):
 
     def _prefix(self, binding: PoolBinding, hashes: list[str]) -> int:
         if binding.head_groups == 1:
-            return self.backend.prefix_exists(binding.keys(hashes))
-        return min(self.backend.prefix_exists(scope.keys(hashes)) for scope in binding.scopes)
+            return self.store.prefix_exists(binding.keys(hashes))
+        return min(self.store.prefix_exists(scope.keys(hashes)) for scope in binding.scopes)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -448,7 +455,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         page_keys, targets = binding.keys([page_hash_of(key) for key in keys]), list(target_locations)
         start = time.perf_counter()
-        hits = self._guarded("get", f"read of {len(keys)} pages", None, lambda: self.backend.get_into(page_keys, targets))
+        hits = self._guarded("get", f"read of {len(keys)} pages", None, lambda: self.store.get_into(page_keys, targets))
         if hits is None:
             return [None] * len(keys)
         self._record("prefetch", len(keys), sum(_nbytes(t) for t in target_locations), time.perf_counter() - start)
@@ -473,7 +480,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
             raise InvalidArgumentError("batch_set() needs one page tensor per key")
         values, page_keys = list(values), binding.keys([page_hash_of(key) for key in keys])
         start = time.perf_counter()
-        written = self._guarded("put", f"write of {len(keys)} pages", None, lambda: self.backend.put_from(page_keys, values))
+        written = self._guarded("put", f"write of {len(keys)} pages", None, lambda: self.store.put_from(page_keys, values))
         if written is None:
             return False
         self._record("backup", len(keys), sum(_nbytes(v) for v in values), time.perf_counter() - start)
@@ -515,7 +522,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
             # Nothing holds every page of the prefix (a logical anchor and trailing pools only):
             # nothing proves the head of the prefix is restorable.
             return PoolTransferResult(0, {}, [])
-        store = MultiPoolStore(self.backend, pools[0].scope or kv.scopes[0], pools)
+        store = MultiPoolStore(self.store, pools[0].scope or kv.scopes[0], pools)
         found = self._guarded("exists", f"exists query of {len(keys)} pages", None, lambda: store.lookup(hashes))
         if found is None:
             return PoolTransferResult(0, {}, [])
@@ -556,7 +563,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
 
     def _probe(self) -> None:
         """One cheap call that answers when the store does: an exists of one key."""
-        self.backend.exists([self.scope.key("0" * 64)])
+        self.store.exists([self.scope.key("0" * 64)])
 
     def _count_transition(self, old: BreakerState, new: BreakerState) -> None:
         with self._metrics_lock:
@@ -569,7 +576,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
         with self._lock:
             namespaces = set().union(*(binding.namespaces for binding in self.bindings.values()))
         for namespace in namespaces:
-            self.backend.clear(namespace)
+            self.store.clear(namespace)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages per batch, GB/s); reset on read."""
@@ -583,7 +590,7 @@ class HiCacheStorageAdapter(HiCacheStorage):
 
     def close(self) -> None:
         self.breaker.close()
-        self.backend.close()
+        self.store.close()
 
     def _record(self, direction: str, pages: int, nbytes: int, seconds: float) -> None:
         if not self._metrics_enabled:

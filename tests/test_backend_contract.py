@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_storage import Capabilities, KeyScope, Namespace, RawBuffer, Connector
+from hicache_storage import Capabilities, Connector, KeyScope, Namespace, RawBuffer, Store
 from hicache_storage.buffers import as_segments
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.errors import (
@@ -53,9 +53,9 @@ class ExistsOnly(Connector):
 
 
 def test_batches_are_split_to_max_batch():
-    store = Recording()
-    assert store.exists(keys(8)) == [False] * 8
-    assert store.batches == [3, 3, 2]
+    connector = Recording()
+    assert Store(connector).exists(keys(8)) == [False] * 8
+    assert connector.batches == [3, 3, 2]
 
 
 class PutSpy(MemoryBackend):
@@ -78,42 +78,45 @@ class PutSpy(MemoryBackend):
 def test_a_split_put_writes_the_head_last():
     """Within one put the first pages count as the most recent, also across max_batch chunks, so
     a store that evicts least recently written pages drops a prefix's tail, not its head."""
-    store = PutSpy()
+    connector = PutSpy()
     ks = keys(8)
-    assert store.put(ks, [b"%d" % i for i in range(8)]) == [True] * 8
-    assert store.puts == [ks[6:8], ks[3:6], ks[0:3]]
+    assert Store(connector).put(ks, [b"%d" % i for i in range(8)]) == [True] * 8
+    assert connector.puts == [ks[6:8], ks[3:6], ks[0:3]]
 
 
 def test_a_split_put_with_a_key_twice_keeps_the_last_write_and_answers_every_position():
     a, b, c, d = keys(4)
     batch = [a, b, a, c, d, b, a]  # chunks of 3: a in the first and third, b in the first and second
-    store = PutSpy(refuse={b"b5"})  # b's last write fails: b1, written alone, would have succeeded
+    connector = PutSpy(refuse={b"b5"})  # b's last write fails: b1, written alone, would have succeeded
+    store = Store(connector)
     results = store.put(batch, [b"a0", b"b1", b"a2", b"c3", b"d4", b"b5", b"a6"])
     assert results == [True, False, True, True, True, False, True], "each position gets its key's last write's result"
-    written = [k for call in store.puts for k in call]
+    written = [k for call in connector.puts for k in call]
     assert len(written) == 4 and set(written) == {a, b, c, d}, "each key is written once"
     assert store.get([a, c, d], 2) == [b"a6", b"c3", b"d4"]
 
 
 def test_a_put_within_max_batch_reaches_the_connector_as_given():
     """Duplicate keys in one call are the connector's to handle (the suite checks it does)."""
-    store = PutSpy()
+    connector = PutSpy()
+    store = Store(connector)
     a, b = keys(2)
     assert store.put([a, b, a], [b"a0", b"b1", b"a2"]) == [True] * 3
-    assert store.puts == [[a, b, a]]
+    assert connector.puts == [[a, b, a]]
     assert store.get([a], 2) == [b"a2"]
 
 
 def test_prefix_exists_stops_at_the_first_batch_with_a_miss():
-    store = Recording()
+    connector = Recording()
+    store = Store(connector)
     ks = keys(9)
     store.put(ks[:4], [b"x"] * 4)
     assert store.prefix_exists(ks) == 4
-    assert store.batches == [3, 3], "the third batch must not be asked once the second had a miss"
+    assert connector.batches == [3, 3], "the third batch must not be asked once the second had a miss"
 
 
 def test_oversized_values_raise_before_reaching_the_connector():
-    store = Recording()
+    store = Store(Recording())
     with pytest.raises(ValueTooLargeError, match="101 bytes exceeds .* 100 bytes") as info:
         store.put(keys(1), [bytes(101)])
     assert info.value.key == keys(1)[0] and info.value.backend == "recording"
@@ -121,7 +124,7 @@ def test_oversized_values_raise_before_reaching_the_connector():
 
 
 def test_unsupported_operations_raise_one_typed_error():
-    store = ExistsOnly()
+    store = Store(ExistsOnly())
     with pytest.raises(UnsupportedOperationError, match="delete"):
         store.delete(keys(1))
     with pytest.raises(UnsupportedOperationError, match="clear"):
@@ -135,7 +138,7 @@ def test_broken_result_lists_are_contract_errors(results):
             return results
 
     with pytest.raises(BackendContractError, match="exists"):
-        Broken().exists(keys(2))
+        Store(Broken()).exists(keys(2))
 
 
 def test_storage_errors_gain_context():
@@ -146,14 +149,14 @@ def test_storage_errors_gain_context():
             raise BackendUnavailableError("connection refused")
 
     with pytest.raises(BackendUnavailableError) as info:
-        Down().get(keys(1), 4)
+        Store(Down()).get(keys(1), 4)
     assert info.value.backend == "down" and info.value.operation == "get"
     assert info.value.retryable
     assert "backend=down" in str(info.value)
 
 
 def test_bad_keys_and_buffers():
-    store = MemoryBackend()
+    store = Store(MemoryBackend())
     with pytest.raises(InvalidKeyError):
         store.exists(["abc"])
     with pytest.raises(InvalidArgumentError, match="sequence of PageKey"):
@@ -171,7 +174,7 @@ def test_bad_keys_and_buffers():
 
 
 def test_buffer_kinds_round_trip_without_copies():
-    store = MemoryBackend()
+    store = Store(MemoryBackend())
     tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     array = np.arange(6, dtype=np.float32)
     raw_source = (ctypes.c_ubyte * 8).from_buffer_copy(b"rawbytes")
@@ -189,7 +192,7 @@ def test_buffer_kinds_round_trip_without_copies():
 
 
 def test_closed_backend_and_context_manager():
-    with MemoryBackend() as store:
+    with Store(MemoryBackend()) as store:
         store.put(keys(1), [b"x"])
     assert store.closed
     with pytest.raises(BackendClosedError):
@@ -197,7 +200,7 @@ def test_closed_backend_and_context_manager():
 
 
 def test_stats_count_what_happened():
-    store = MemoryBackend()
+    store = Store(MemoryBackend())
     store.put(keys(3), [b"abcd"] * 3)
     store.get(keys(4), 4)
     store.exists(keys(2))
@@ -209,7 +212,7 @@ def test_stats_count_what_happened():
 
 def test_get_requires_a_size():
     with pytest.raises(InvalidArgumentError, match="size"):
-        MemoryBackend().get(keys(1), -1)
+        Store(MemoryBackend()).get(keys(1), -1)
 
 
 class RefusesEmptyCalls(MemoryBackend):
@@ -246,12 +249,12 @@ class RefusesEmptyCalls(MemoryBackend):
 
 
 @pytest.mark.parametrize("layers", [None, [{"kind": "integrity"}, {"kind": "retry"}, {"kind": "metrics"}, {"kind": "timeout", "seconds": 5}]])
-def test_empty_batches_are_answered_by_the_facade(layers):
+def test_empty_batches_are_answered_by_the_store(layers):
     """An empty batch never reaches any level of the stack, and still counts as the caller's call."""
     from hicache_storage.layers import stack_layers
 
     connector = RefusesEmptyCalls()
-    store = stack_layers(connector, layers)
+    store = Store(stack_layers(connector, layers))
     assert store.exists([]) == []
     assert store.prefix_exists([]) == 0
     assert store.get_into([], []) == []
@@ -268,11 +271,23 @@ def test_empty_batches_are_answered_by_the_facade(layers):
 
 
 def test_an_empty_batch_is_still_validated():
-    store = RefusesEmptyCalls()
+    store = Store(RefusesEmptyCalls())
     with pytest.raises(InvalidArgumentError, match="0 keys but 1 buffers"):
         store.put_from([], [b"x"])
     with pytest.raises(UnsupportedOperationError, match="delete"):
-        ExistsOnly().delete([])
+        Store(ExistsOnly()).delete([])
     store.close()
     with pytest.raises(BackendClosedError):
         store.put_from([], [])
+
+
+def test_a_store_is_held_over_a_level_and_a_level_is_no_store():
+    """Three types: the caller API is the store's alone, and Store() says what it takes."""
+    connector = MemoryBackend()
+    assert not hasattr(connector, "put") and not hasattr(connector, "facade")
+    store = Store(connector)
+    assert store.top is connector and store.levels() == [connector]
+    with pytest.raises(InvalidArgumentError, match="already a store"):
+        Store(store)
+    with pytest.raises(InvalidArgumentError, match="a connector or a layer"):
+        Store({})

@@ -4,13 +4,13 @@ import json
 import subprocess
 import sys
 
-from hicache_storage import create_backend
+from hicache_storage import open_store
 from hicache_storage.bench.io import ratios, render_markdown, run_bench_io
 
 
 def test_bench_io_memory_reports_sdk_raw_and_layouts():
-    with create_backend("memory") as backend:
-        result = run_bench_io(backend, page_sizes=[4096], batch_sizes=[1, 8], bytes_per_case=64 * 4096, repeats=1)
+    with open_store({"backend": "memory"}) as store:
+        result = run_bench_io(store, page_sizes=[4096], batch_sizes=[1, 8], bytes_per_case=64 * 4096, repeats=1)
     paths = {(m["op"], m["path"]) for m in result["measurements"]}
     assert {("put", "sdk zero-copy"), ("get", "sdk zero-copy"), ("put", "sdk copy"), ("get", "dict"), ("exists", "sdk")} <= paths
     assert len(ratios(result)) == 6  # put / get / exists x two batch sizes
@@ -31,13 +31,14 @@ def test_bench_io_cli_writes_json_and_markdown(tmp_path):
 
 
 def test_a_store_that_refuses_pages_gets_no_ratio():
+    from hicache_storage import Store
     from hicache_storage.connectors.memory import MemoryBackend
 
     class Full(MemoryBackend):
         def _put_from(self, keys, sources):
             return [False] * len(keys)
 
-    result = run_bench_io(Full(), page_sizes=[4096], batch_sizes=[4], bytes_per_case=4 * 4096, repeats=1)
+    result = run_bench_io(Store(Full()), page_sizes=[4096], batch_sizes=[4], bytes_per_case=4 * 4096, repeats=1)
     puts = [m for m in result["measurements"] if m["op"] == "put" and m["path"].startswith("sdk")]
     assert puts and all(m["failed"] == 4 for m in puts)
     assert not [r for r in ratios(result) if r["op"] == "put"]

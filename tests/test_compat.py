@@ -124,3 +124,14 @@ def test_giving_both_flags_is_a_usage_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "give --layers only" in done.stderr
+
+
+def test_the_sglang_adapter_reads_the_old_key_with_a_warning() -> None:
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+    from hicache_storage.sglang import AdapterConfig
+
+    with pytest.warns(DeprecationWarning, match="the extra-config key 'wrappers' is deprecated: use 'layers'"):
+        config = AdapterConfig.from_extra_config({"connector": "memory", "wrappers": [{"kind": "metrics"}]})
+    assert config.layers == [{"kind": "metrics"}]
+    with pytest.raises(Exception, match="give 'layers' only"):
+        AdapterConfig.from_extra_config({"connector": "memory", "wrappers": [], "layers": []})

@@ -31,8 +31,9 @@ from hicache_storage.errors import (
     StorageError,
     StorageTimeoutError,
 )
+from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace, page_hashes
-from hicache_storage.wrappers.faults import FaultInjectionWrapper
+from hicache_storage.layers.faults import FaultInjectionLayer
 
 #: A guard against a hang, never a timing assertion: polls of 10 ms before a wait gives up.
 HANG_GUARD_POLLS = 3000
@@ -93,7 +94,7 @@ def test_backup_goes_in_batches_of_128_and_stops_at_the_first_failed_batch():
         stats = controller.metrics.snapshot()
         assert stats["storage_backup_pages"] == 128 + 64 and stats["storage_backup_failed_batches"] == 1
         keys = SCOPE.keys(page_hashes(tokens, 1))
-        assert backend.prefix_exists(keys) == 192
+        assert Store(backend).prefix_exists(keys) == 192
         # A second backup of the same pages skips what the store already holds (asked live).
         node = controller.tree.match_prefix(tokens).device_node
         controller.tree.evict_device(1000)
@@ -114,7 +115,7 @@ def test_prefetch_below_threshold_is_revoked_and_frees_its_pages():
     controller = make_controller(page_size=2, threshold_tokens=4, stop_policy=StopPolicy.WAIT_COMPLETE)
     backend = RecordingBackend()
     tokens = list(range(20))
-    backend.put_from(SCOPE.keys(page_hashes(tokens, 2))[:1], [bytes(GEOMETRY.token_bytes * 2)])
+    Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2))[:1], [bytes(GEOMETRY.token_bytes * 2)])
     scope = KeyScope(Namespace("controller-test", "float32", 1, "page_first"))
     controller.attach_storage(backend, scope)
     try:
@@ -137,7 +138,7 @@ def test_rate_limited_prefetch_keeps_its_hit_and_runs_later():
     backend = RecordingBackend()
     first, second = list(range(8)), list(range(100, 108))
     for tokens in (first, second):
-        backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+        Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
     controller.attach_storage(backend, SCOPE)
     try:
         op1, op2 = plan(controller, first + [0]), plan(controller, second + [0])
@@ -171,7 +172,7 @@ def test_timeout_policy_stops_waiting_for_a_hung_read_and_wait_complete_does_not
                                  timeout_per_ki_token_s=0.0)
     backend = RecordingBackend()
     tokens = list(range(8))
-    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
     backend.get_gate = threading.Event()
     controller.attach_storage(backend, SCOPE)
     prefetcher = controller.prefetcher
@@ -198,7 +199,7 @@ def test_host_pages_under_a_hung_read_are_never_reused():
                                  timeout_base_s=0.0, timeout_per_ki_token_s=0.0)
     backend = RecordingBackend()
     tokens = list(range(8))
-    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
     backend.get_gate = threading.Event()
     controller.attach_storage(backend, SCOPE)
     try:
@@ -233,7 +234,7 @@ def test_the_default_storage_stack_is_zero_copy_and_bounds_a_hung_read_by_its_pa
     controller = CacheController(config, tree, device, host)
     backend = RecordingBackend()
     tokens = list(range(8))
-    backend.put_from(SCOPE.keys(page_hashes(tokens, 2)), [b"\x07" * (GEOMETRY.token_bytes * 2)] * 4)
+    Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2)), [b"\x07" * (GEOMETRY.token_bytes * 2)] * 4)
     backend.get_gate = threading.Event()
     controller.attach_storage(backend, SCOPE)
     try:
@@ -333,11 +334,11 @@ ALL_CALLS = ("exists", "get", "put", "register_buffer")
 @pytest.mark.parametrize("fault", ["raises", "fails", "hangs"])
 def test_engine_on_a_broken_store_recomputes_and_stays_alive(expected, fault):
     if fault == "raises":
-        backend = FaultInjectionWrapper(MemoryBackend(), {op: {"error_rate": 1.0, "errors": ["unavailable", "runtime"]} for op in ALL_CALLS})
+        backend = FaultInjectionLayer(MemoryBackend(), {op: {"error_rate": 1.0, "errors": ["unavailable", "runtime"]} for op in ALL_CALLS})
     elif fault == "fails":
         backend = FailingBackend()
     else:
-        backend = FaultInjectionWrapper(MemoryBackend(), {op: {"hang_rate": 1.0} for op in ALL_CALLS})
+        backend = FaultInjectionLayer(MemoryBackend(), {op: {"hang_rate": 1.0} for op in ALL_CALLS})
     engine = Engine(engine_config(CacheTiers.L1_L2_L3, timeout_s=0.2), storage=backend)
     try:
         rounds = serve_conversations(engine, CONVERSATIONS, 3)
@@ -355,7 +356,7 @@ def test_engine_on_a_broken_store_recomputes_and_stays_alive(expected, fault):
         # Still responsive after the failures: the next round is served and correct.
         check_same(expected[:1], [engine.serve([r for r in _first_round()])])
     finally:
-        if isinstance(backend, FaultInjectionWrapper):
+        if isinstance(backend, FaultInjectionLayer):
             backend.release_hangs()
         engine.close()
 
@@ -479,7 +480,7 @@ def test_temporary_errors_open_the_breaker_probes_keep_calling_and_hits_resume(e
     """Temporary errors never give the store up: they open its breaker (no data calls, counted),
     probes keep asking the store, and once it answers L3 hits come back in the same process."""
     store = MemoryBackend({"store": f"flaky-{uuid.uuid4().hex}"})
-    faults = FaultInjectionWrapper(
+    faults = FaultInjectionLayer(
         store, {"enabled": False, **{op: {"error_rate": 1.0, "errors": ["unavailable"]} for op in ("exists", "get", "put")}}
     )
     config = engine_config(CacheTiers.L1_L2_L3)
@@ -491,14 +492,14 @@ def test_temporary_errors_open_the_breaker_probes_keep_calling_and_hits_resume(e
         engine.flush_cache()
         counters = engine.metrics.snapshot()
         assert counters["storage_breaker_opened"] == 1 and counters["storage_skipped_calls"] > 0
-        raised = faults.stats()["faults_error"]
+        raised = faults.event_counts()["faults_error"]
         time.sleep(0.05)  # past the probe backoff: the next call asked for starts a probe
         check_same(expected, serve_conversations(engine, CONVERSATIONS, 3))
         for _ in range(HANG_GUARD_POLLS):  # the probe runs on its own thread
-            if faults.stats()["faults_error"] > raised:
+            if faults.event_counts()["faults_error"] > raised:
                 break
             time.sleep(0.01)
-        assert faults.stats()["faults_error"] > raised, "a store failing temporarily must still be probed"
+        assert faults.event_counts()["faults_error"] > raised, "a store failing temporarily must still be probed"
         faults.pause()  # the store is back
         hits = 0
         for _ in range(20):

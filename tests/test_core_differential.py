@@ -209,7 +209,7 @@ def test_a_node_split_while_its_host_copy_is_in_flight_is_stored_whole(tmp_path)
         store = engine.controller.store
         assert store is not None
         hashes = page_hashes(first, 4)
-        assert store.backend.prefix_exists(store.keys("kv", hashes)) == len(hashes)
+        assert store.store.prefix_exists(store.keys("kv", hashes)) == len(hashes)
 
 
 class _FakeClock:

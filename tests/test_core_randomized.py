@@ -15,7 +15,7 @@ from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, serve_conversations
 from hicache_core.model import ModelConfig
 from hicache_storage.connectors.memory import MemoryBackend
-from hicache_storage.wrappers.faults import FaultInjectionWrapper
+from hicache_storage.layers.faults import FaultInjectionLayer
 
 MODEL = ModelConfig(vocab_size=128, hidden=32, layers=2, q_heads=2, kv_heads=1, head_dim=8, ffn=32, seed=7)
 NEW_TOKENS = 2
@@ -59,7 +59,7 @@ def test_random_configuration_matches_recompute(seed):
     storage = MemoryBackend({"store": f"random-{uuid.uuid4().hex}"})
     if rng.random() < 0.3:  # a flaky store: some calls raise, some pages fail
         flaky = {"error_rate": 0.2, "errors": ["unavailable", "runtime"]}
-        storage = FaultInjectionWrapper(storage, {"seed": seed, "exists": flaky, "get": flaky, "put": flaky})
+        storage = FaultInjectionLayer(storage, {"seed": seed, "exists": flaky, "get": flaky, "put": flaky})
     with Engine(config, storage=storage if tiers.storage else None) as engine:
         rounds = serve_conversations(engine, conversations, NEW_TOKENS)
         for want_round, have_round in zip(expected, rounds):

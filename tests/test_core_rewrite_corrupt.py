@@ -17,8 +17,9 @@ from hicache_core import CacheTiers, Engine, Request, RequestResult
 from hicache_core.prefetch import SuspectPages
 from hicache_core.soak import tiny_engine_config
 from hicache_storage import create_backend
+from hicache_storage.store import Store
 from hicache_storage.keys import page_hashes
-from hicache_storage.wrappers import IntegrityWrapper
+from hicache_storage.layers import IntegrityLayer
 
 PAGE_SIZE = 4  # the tiny engine's page size
 PROMPT = [int(t) for t in torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(8))]
@@ -38,8 +39,8 @@ def same_outputs(want: RequestResult, have: RequestResult) -> bool:
     return want.output_ids == have.output_ids and torch.equal(want.logits.view(torch.int32), have.logits.view(torch.int32))
 
 
-def integrity_misses(integrity: IntegrityWrapper) -> int:
-    return sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
+def integrity_misses(integrity: IntegrityLayer) -> int:
+    return sum(v for k, v in integrity.event_counts().items() if k.startswith("integrity_miss"))
 
 
 def corrupt_page_file(root: Path, page_hash: str) -> None:
@@ -54,7 +55,7 @@ def test_a_corrupted_page_is_rewritten_and_hits_again(tmp_path):
     with Engine(tiny_engine_config(CacheTiers.OFF, STORAGE_TIMEOUT_S)) as off:
         expected = off.serve([Request("off", PROMPT, 3)])[0]
     root = tmp_path / "kv"
-    integrity = IntegrityWrapper(create_backend("file", {"root": str(root)}))
+    integrity = IntegrityLayer(create_backend("file", {"root": str(root)}))
     with Engine(tiny_engine_config(CacheTiers.L1_L2_L3, STORAGE_TIMEOUT_S), storage=integrity) as engine:
         assert same_outputs(expected, serve_once(engine, "warm"))
         healthy = serve_once(engine, "healthy")

@@ -16,7 +16,7 @@ from hicache_core.prefetch import StopPolicy
 from hicache_core.soak import MODEL, serve_rounds, tiny_engine_config
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.health import BreakerConfig
-from hicache_storage.wrappers import FaultInjectionWrapper
+from hicache_storage.layers import FaultInjectionLayer
 
 CONVERSATIONS = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=MODEL.vocab_size, seed=5)
 NEW_TOKENS = 3
@@ -53,7 +53,7 @@ def same_outputs(want, have) -> bool:
 @pytest.mark.parametrize("policy", list(StopPolicy))
 def test_reads_that_hang_forever_cost_bounded_pages_and_l3_comes_back(expected, policy):
     timeout_s = LONG_TIMEOUT_S if policy is StopPolicy.BEST_EFFORT else SHORT_TIMEOUT_S
-    faults = FaultInjectionWrapper(MemoryBackend(), {"enabled": False, "get": {"hang_rate": 1.0}})
+    faults = FaultInjectionLayer(MemoryBackend(), {"enabled": False, "get": {"hang_rate": 1.0}})
     engine = Engine(config(policy, timeout_s), storage=faults)
     controller = engine.controller
     cap = controller.pin_cap

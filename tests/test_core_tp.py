@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     from hicache_core.model import ModelConfig
     from hicache_core.tp import TPContext
     from hicache_storage import create_backend
-    from hicache_storage.wrappers.faults import FaultInjectionWrapper
+    from hicache_storage.layers.faults import FaultInjectionLayer
 
     rank, world, port, root, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
         for policy in StopPolicy:
             name = f"{kind}-{policy.value}"
             slow = {"latency_rate": 1.0, "latency_seconds": delay}
-            backend = FaultInjectionWrapper(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
+            backend = FaultInjectionLayer(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
             controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy, timeout_base_s=60.0))
             config = EngineConfig(model=model, tiers=CacheTiers.L1_L2_L3, page_size=4, device_pages=24, host_pages=24,
                                   host_ratio=None, controller=controller, max_running=2, tp=tp)

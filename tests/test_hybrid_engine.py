@@ -21,7 +21,7 @@ from hicache_core.hybrid.model import HybridDecoder, HybridModelConfig
 from hicache_core.model import TinyDecoder
 from hicache_core.pools import HostPool
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
-from hicache_storage import create_backend, kernels, wrap
+from hicache_storage import create_backend, kernels, stack_layers
 from hicache_storage.keys import page_hashes
 
 PAGE = 8
@@ -342,7 +342,7 @@ def test_a_missing_page_of_any_pool_shortens_the_restored_prefix(pool, tmp_path)
         assert cut == len(hashes), "the whole prompt was backed up"
         missing = hashes[cut - 1]  # inside every pool's trailing window of the full cut
         name = engine.key_scope.part if pool == "kv" else pool
-        assert store.backend.delete(store.keys(name, [missing])) == [True]
+        assert store.store.delete(store.keys(name, [missing])) == [True]
         assert store.usable_pages(hashes) < cut
         (result,) = engine.serve([Request("r", prompt, NEW_TOKENS)])
     assert result.cached_storage < cut * PAGE
@@ -363,7 +363,7 @@ def test_a_failing_and_hanging_store_degrades_to_recomputation(uncached, tmp_pat
     """Errors on every operation and calls that hang past the timeout: outputs stay exact, the
     engine never raises, the failures are counted, and hits resume once the store recovers."""
     faults = {"error_rate": 0.2, "errors": ["unavailable", "runtime", "timeout"], "hang_rate": 0.05, "hang_seconds": 2.0}
-    storage = wrap(
+    storage = stack_layers(
         create_backend("file", {"root": str(tmp_path)}),
         [{"kind": "faults", "seed": 3, "exists": faults, "get": faults, "put": faults}],
     )
@@ -381,7 +381,7 @@ def test_a_failing_and_hanging_store_degrades_to_recomputation(uncached, tmp_pat
 def test_a_store_failing_permanently_is_given_up_and_outputs_stay_exact(uncached, tmp_path) -> None:
     """StorageHealth holds for hybrid models: the first permanent error stops every pool's I/O."""
     faults = {"error_rate": 1.0, "errors": ["permission"]}
-    storage = wrap(create_backend("file", {"root": str(tmp_path)}), [{"kind": "faults", "seed": 1, "put": faults}])
+    storage = stack_layers(create_backend("file", {"root": str(tmp_path)}), [{"kind": "faults", "seed": 1, "put": faults}])
     with Engine(config(CacheTiers.L1_L2_L3), storage) as engine:
         results = serve_rounds(engine, range(3), [[] for _ in CONVERSATIONS], flush=True)
         counters = engine.metrics.snapshot()

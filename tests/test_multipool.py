@@ -22,6 +22,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 from hicache_storage.multipool import HitPolicy, MultiPoolStore, PoolCuts, PoolSpec, common_cuts, longest_cut
+from hicache_storage.store import Store
 
 ALL, TRAILING = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES
 KV = PoolSpec("kv")
@@ -52,12 +53,12 @@ def scope() -> KeyScope:
 
 
 @pytest.fixture
-def backend() -> MemoryBackend:
-    return MemoryBackend({})
+def backend() -> Store:
+    return Store(MemoryBackend({}))
 
 
 @pytest.fixture
-def store(backend: MemoryBackend, scope: KeyScope) -> MultiPoolStore:
+def store(backend: Store, scope: KeyScope) -> MultiPoolStore:
     return MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
 
 
@@ -152,14 +153,16 @@ def test_pool_spec_validation_names_the_fix(kwargs: dict, fix: str) -> None:
     ],
     ids=["duplicate", "no-voting-pool", "no-pools", "bad-part", "not-a-spec"],
 )
-def test_store_validation_names_the_fix(backend: MemoryBackend, scope: KeyScope, pools: list, fix: str) -> None:
+def test_store_validation_names_the_fix(backend: Store, scope: KeyScope, pools: list, fix: str) -> None:
     with pytest.raises(InvalidArgumentError, match=fix):
         MultiPoolStore(backend, scope, pools)
 
 
-def test_store_refuses_what_is_not_a_backend_or_scope(backend: MemoryBackend, scope: KeyScope) -> None:
+def test_store_refuses_what_is_not_a_backend_or_scope(backend: Store, scope: KeyScope) -> None:
     with pytest.raises(InvalidArgumentError, match="must be a Store"):
         MultiPoolStore({}, scope, [KV])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"or Store\(connector\)\); got MemoryBackend"):
+        MultiPoolStore(MemoryBackend({}), scope, [KV])  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="KeyScope"):
         MultiPoolStore(backend, "scope", [KV])  # type: ignore[arg-type]
 
@@ -228,7 +231,7 @@ def test_checkpoint_at_cut_c_is_stored_under_page_c_minus_1(store: MultiPoolStor
     assert store.usable_pages(chain) == 8
 
 
-def test_usable_pages_asks_side_pools_only_within_the_kv_prefix(backend: MemoryBackend, store: MultiPoolStore) -> None:
+def test_usable_pages_asks_side_pools_only_within_the_kv_prefix(backend: Store, store: MultiPoolStore) -> None:
     chain = hashes(10)
     write(store, {"kv": [True] * 4, "swa": [True] * 10, "mamba": [True] * 10}, chain)
     before = backend.stats()["exists_keys"]
@@ -237,7 +240,7 @@ def test_usable_pages_asks_side_pools_only_within_the_kv_prefix(backend: MemoryB
     assert backend.stats()["exists_keys"] - before == 10 + SWA.trailing_pages + MAMBA.trailing_pages
 
 
-def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: MemoryBackend, scope: KeyScope) -> None:
+def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: Store, scope: KeyScope) -> None:
     store = MultiPoolStore(backend, scope, [KV, INDEXER, MAMBA, SWA])
     chain = hashes(10)
     write(store, {"kv": [True] * 10, "indexer": [True] * 10, "mamba": [i == 5 for i in range(10)], "swa": [True] * 10}, chain)
@@ -249,7 +252,7 @@ def test_a_later_pool_is_asked_only_up_to_the_cut_left_by_earlier_ones(backend: 
 
 
 def test_when_every_pool_holds_the_prefix_trailing_pools_are_asked_only_for_their_windows(
-    backend: MemoryBackend, scope: KeyScope
+    backend: Store, scope: KeyScope
 ) -> None:
     store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
     chain = hashes(40)
@@ -266,7 +269,7 @@ def test_usable_pages_is_the_longest_cut_of_what_is_stored(data: st.DataObject) 
     pools = data.draw(pools_strategy.filter(lambda ps: any(p.hit_policy is ALL for p in ps)))
     n = data.draw(st.integers(0, 10))
     presence = {spec.name: data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for spec in pools}
-    store = MultiPoolStore(MemoryBackend({}), KeyScope(Namespace("m", "bfloat16", 4)), pools)
+    store = MultiPoolStore(Store(MemoryBackend({})), KeyScope(Namespace("m", "bfloat16", 4)), pools)
     chain = hashes(n)
     write(store, presence, chain)
     assert store.presence(chain) == presence
@@ -284,7 +287,7 @@ def test_usable_pages_is_the_longest_cut_of_what_is_stored(data: st.DataObject) 
 
 
 @pytest.mark.parametrize("pool", ["swa", "mamba", "indexer"])
-def test_removing_any_one_side_page_the_full_cut_needs_shortens_the_hit(backend: MemoryBackend, scope: KeyScope, pool: str) -> None:
+def test_removing_any_one_side_page_the_full_cut_needs_shortens_the_hit(backend: Store, scope: KeyScope, pool: str) -> None:
     store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA, INDEXER])
     n = 8
     chain = hashes(n)
@@ -305,7 +308,7 @@ def test_removing_any_one_side_page_the_full_cut_needs_shortens_the_hit(backend:
 # --- lookup: every common cut and each pool's own ---------------------------------------------
 
 
-def test_lookup_lists_cut_5_when_a_trailing_pool_rejects_4(backend: MemoryBackend, scope: KeyScope) -> None:
+def test_lookup_lists_cut_5_when_a_trailing_pool_rejects_4(backend: Store, scope: KeyScope) -> None:
     store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
     chain = hashes(7)
     write(store, {"kv": [True] * 7, "mamba": [i in (1, 4) for i in range(7)], "swa": [True] * 7}, chain)
@@ -317,7 +320,7 @@ def test_lookup_lists_cut_5_when_a_trailing_pool_rejects_4(backend: MemoryBacken
     assert store.lookup(chain, held=3) == PoolCuts(3, (5,), {"kv": 7, "mamba": 5})
 
 
-def test_lookup_keys_a_pool_with_its_own_scope(backend: MemoryBackend, scope: KeyScope) -> None:
+def test_lookup_keys_a_pool_with_its_own_scope(backend: Store, scope: KeyScope) -> None:
     half = KeyScope(Namespace(model="hybrid-test", kv_dtype="float16", page_size=16))
     swa = PoolSpec("swa", TRAILING, trailing_pages=2, scope=half)
     store = MultiPoolStore(backend, scope, [KV, swa])
@@ -332,7 +335,7 @@ def test_lookup_keys_a_pool_with_its_own_scope(backend: MemoryBackend, scope: Ke
     assert store.lookup(chain).cuts == (3,)
 
 
-def test_lookup_with_no_hit_asks_only_the_first_pool(backend: MemoryBackend, store: MultiPoolStore) -> None:
+def test_lookup_with_no_hit_asks_only_the_first_pool(backend: Store, store: MultiPoolStore) -> None:
     before = backend.stats()["exists_keys"]
     found = store.lookup(hashes(5))
     assert found == PoolCuts(0, (), {"kv": 0}) and found.longest == 0
@@ -342,7 +345,7 @@ def test_lookup_with_no_hit_asks_only_the_first_pool(backend: MemoryBackend, sto
 
 def test_lookup_degrades_a_retryable_error_to_that_pools_miss(scope: KeyScope, caplog: pytest.LogCaptureFixture) -> None:
     backend = FailingExists({})
-    store = MultiPoolStore(backend, scope, [KV, MAMBA, SWA])
+    store = MultiPoolStore(Store(backend), scope, [KV, MAMBA, SWA])
     chain = hashes(4)
     write(store, {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True] * 4}, chain)
     backend.failing_parts = frozenset({"mamba"})
@@ -354,7 +357,7 @@ def test_lookup_degrades_a_retryable_error_to_that_pools_miss(scope: KeyScope, c
     permanent = FailingExistsWith({})
     permanent.error = AuthenticationError("wrong password")
     with pytest.raises(AuthenticationError):
-        MultiPoolStore(permanent, scope, [KV]).lookup(chain, degrade=True)
+        MultiPoolStore(Store(permanent), scope, [KV]).lookup(chain, degrade=True)
 
 
 # --- a failing store ----------------------------------------------------------------------------
@@ -376,7 +379,7 @@ def test_a_store_failing_with_a_retryable_error_reports_no_hit(
     scope: KeyScope, caplog: pytest.LogCaptureFixture, failing: set[str]
 ) -> None:
     backend = FailingExists({})
-    store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
+    store = MultiPoolStore(Store(backend), scope, [KV, SWA, MAMBA])
     chain = hashes(4)
     write(store, {"kv": [True] * 4, "swa": [True] * 4, "mamba": [True] * 4}, chain)
     assert store.usable_pages(chain) == 4
@@ -399,7 +402,7 @@ class FailingExistsWith(MemoryBackend):
 
 def test_the_status_decides_whether_a_lookup_error_is_no_hit_or_raised(scope: KeyScope) -> None:
     backend = FailingExistsWith({})
-    store = MultiPoolStore(backend, scope, [KV, SWA, MAMBA])
+    store = MultiPoolStore(Store(backend), scope, [KV, SWA, MAMBA])
     backend.error = StorageError("EIO on a flaky mount", status=ErrorStatus.TEMPORARY)
     assert store.usable_pages(hashes(4)) == 0
     backend.error = BackendUnavailableError("down after 3 tries", status=ErrorStatus.PERSISTENT)
@@ -465,7 +468,7 @@ class SidePoolsAlwaysPresent(MemoryBackend):
 def test_the_suite_fails_a_broken_store(broken: type[MemoryBackend], clause: str) -> None:
     scope = KeyScope(Namespace(model=f"broken-{broken.__name__.lower()}", kv_dtype="bfloat16", page_size=16))
     with pytest.raises(AssertionError):
-        getattr(ConformanceTests(), clause)(broken({}), scope, random.Random(clause))
+        getattr(ConformanceTests(), clause)(Store(broken({})), scope, random.Random(clause))
 
 
 MULTIPOOL_CLAUSES = sorted(name for name in dir(ConformanceTests) if name.startswith("test_multipool_"))
@@ -475,4 +478,4 @@ MULTIPOOL_CLAUSES = sorted(name for name in dir(ConformanceTests) if name.starts
 def test_the_suite_passes_the_reference_store(clause: str) -> None:
     """The same clauses called the same way pass on the memory connector, so the failures above are the breakage."""
     scope = KeyScope(Namespace(model="reference", kv_dtype="bfloat16", page_size=16))
-    getattr(ConformanceTests(), clause)(MemoryBackend({}), scope, random.Random(clause))
+    getattr(ConformanceTests(), clause)(Store(MemoryBackend({})), scope, random.Random(clause))

@@ -11,8 +11,9 @@ from hicache_storage.registry import BUILTINS, BackendSpec, describe_backends, l
 
 def test_builtin_by_name():
     assert resolve("memory") is MemoryBackend
-    with create_backend("memory", {"store": "registry-test"}) as store:
-        assert store.config.store == "registry-test"
+    connector = create_backend("memory", {"store": "registry-test"})
+    assert isinstance(connector, MemoryBackend) and connector.config.store == "registry-test"
+    connector.close()
 
 
 def test_unknown_name_lists_the_known_ones():

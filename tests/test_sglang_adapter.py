@@ -367,9 +367,9 @@ def test_writes_skip_pages_already_stored(open_adapter: Any) -> None:
     adapter = open_adapter(pool)
     keys = chain(4, salt="skip")
     assert adapter.batch_set_v1(keys[:2], host_indices(pool, [0, 1])) == [True, True]
-    puts_before = adapter.backend.stats()["put_keys"]
+    puts_before = adapter.store.stats()["put_keys"]
     assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1, 2, 3])) == [True] * 4
-    assert adapter.backend.stats()["put_keys"] - puts_before == 2
+    assert adapter.store.stats()["put_keys"] - puts_before == 2
 
 
 # --- legacy copy path and SGLang's other entry points -------------------------------------------
@@ -453,9 +453,9 @@ def test_v2_lookup_asks_each_pool_under_its_own_scope(open_adapter: Any) -> None
 
     scope = ranks[0].bindings[PoolName.MAMBA.value].scopes[0]
     assert (scope.namespace.kv_dtype, scope.shard.replicated, scope.part) == ("float16", False, "mamba")
-    assert ranks[0].backend.exists(scope.keys([page_hash_of(keys[2])])) == [True]
+    assert ranks[0].store.exists(scope.keys([page_hash_of(keys[2])])) == [True]
     # Page 5 is stored in the KV pool only: under the state's scope its hash names nothing.
-    assert ranks[0].backend.exists([ranks[0].scope.key(page_hash_of(keys[5])), scope.key(page_hash_of(keys[5]))]) == [True, False]
+    assert ranks[0].store.exists([ranks[0].scope.key(page_hash_of(keys[5])), scope.key(page_hash_of(keys[5]))]) == [True, False]
 
 
 def test_get_stats_has_sglang_shape_and_resets_on_read(open_adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -649,7 +649,7 @@ def test_backup_and_prefetch_threads_at_once(open_adapter: Any) -> None:
 def test_a_failing_store_degrades_to_misses(tmp_path: Path) -> None:
     failing = {"kind": "faults", "exists": {"error_rate": 1.0}, "get": {"error_rate": 1.0}, "put": {"error_rate": 1.0}}
     pool = make_host_pool()
-    config = storage_config(Rank(extra={"wrappers": [failing]}), "memory", {})
+    config = storage_config(Rank(extra={"layers": [failing]}), "memory", {})
     adapter = StorageBackendFactory.create_backend("dynamic", config, pool)
     adapter.register_mem_pool_host(pool)
     keys = chain(2, salt="down")
@@ -671,7 +671,7 @@ def test_a_store_that_keeps_failing_is_not_called_until_a_probe_answers(monkeypa
     adapter.breaker._run_probe = lambda probe: probe()  # probe on the caller's thread: no race in the test
     keys = chain(2, salt="breaker")
     assert adapter.batch_set_v1(keys, host_indices(pool, [0, 1])) == [True, True]
-    store_exists, calls, down = adapter.backend.exists, [], [True]
+    store_exists, calls, down = adapter.store.exists, [], [True]
 
     def exists(page_keys: Any) -> list[bool]:  # the fault: a store that stopped answering
         calls.append(len(page_keys))
@@ -679,8 +679,8 @@ def test_a_store_that_keeps_failing_is_not_called_until_a_probe_answers(monkeypa
             raise BackendUnavailableError("injected: store down", backend="memory")
         return store_exists(page_keys)
 
-    monkeypatch.setattr(adapter.backend, "exists", exists)
-    monkeypatch.setattr(adapter.backend, "prefix_exists", lambda page_keys: sum(1 for _ in itertools.takewhile(bool, exists(page_keys))))
+    monkeypatch.setattr(adapter.store, "exists", exists)
+    monkeypatch.setattr(adapter.store, "prefix_exists", lambda page_keys: sum(1 for _ in itertools.takewhile(bool, exists(page_keys))))
     assert [adapter.batch_exists(keys) for _ in range(3)] == [0, 0, 0]
     assert len(calls) == 3 and adapter.health_counts["breaker_opened"] == 1
     assert adapter.batch_exists(keys) == 0 and len(calls) == 3, "an open breaker must not call the store"
@@ -703,7 +703,7 @@ def test_the_errors_status_decides_miss_or_raise(kind: str, degrades: bool) -> N
     """A temporary error (a full store, though a PermanentError by class) is a miss; a permanent one is raised."""
     failing = {"kind": "faults", "exists": {"error_rate": 1.0, "errors": [kind]}}
     pool = make_host_pool()
-    adapter = StorageBackendFactory.create_backend("dynamic", storage_config(Rank(extra={"wrappers": [failing]}), "memory", {}), pool)
+    adapter = StorageBackendFactory.create_backend("dynamic", storage_config(Rank(extra={"layers": [failing]}), "memory", {}), pool)
     adapter.register_mem_pool_host(pool)
     keys = chain(2, salt=kind)
     if degrades:

@@ -20,6 +20,7 @@ from hicache_storage.errors import ConfigError, StorageError
 from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.registry import create_backend, resolve
 from hicache_storage.sglang_reverse import SGLangConnector, sglang_backend_class
+from hicache_storage.store import Store
 
 SGLANG_FILE = "sglang:file"  # a registered name
 
@@ -72,7 +73,7 @@ class TestSGLangFileConformance(ConformanceTests):
 
 
 def test_pages_sglang_wrote_are_files_named_by_our_key_and_its_suffix(tmp_path: Path) -> None:
-    store = create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}, "model_name": "org/model"})
+    store = Store(create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}, "model_name": "org/model"}))
     key = KeyScope(Namespace(model="m", kv_dtype="bfloat16", page_size=16)).key("ab" * 32)
     assert store.put([key], [b"page"]) == [True]
     assert [p.name for p in tmp_path.glob("*.bin")] == [f"{key.render(sep='_')}_org-model_0_1.bin"]
@@ -81,7 +82,7 @@ def test_pages_sglang_wrote_are_files_named_by_our_key_and_its_suffix(tmp_path: 
 
 
 def test_sglang_exceptions_become_storage_errors(tmp_path: Path) -> None:
-    store = create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}})
+    store = Store(create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}}))
     key = KeyScope(Namespace(model="m", kv_dtype="bfloat16", page_size=16)).key("cd" * 32)
     store.put([key], [b"short"])
     with pytest.raises(StorageError, match="OSError: Short read"):
@@ -114,7 +115,7 @@ def test_a_zero_copy_only_sglang_backend_is_refused_with_the_reason() -> None:
 
 
 def test_multi_segment_reads_scatter_sglangs_page(tmp_path: Path) -> None:
-    store = create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}})
+    store = Store(create_backend(SGLANG_FILE, {"extra_config": {"file_storage_path": str(tmp_path)}}))
     key = KeyScope(Namespace(model="m", kv_dtype="bfloat16", page_size=16)).key("ef" * 32)
     value = torch.arange(64, dtype=torch.uint8).numpy().tobytes()
     assert store.put_from([key], [[value[:10], value[10:]]]) == [True]

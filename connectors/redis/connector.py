@@ -1,6 +1,6 @@
 """Redis connector: a standalone server or a Redis Cluster, one pipeline per batch (redis-py).
 
-Contract, beyond the one every connector keeps (see :mod:`hicache_storage.backend`):
+Contract, beyond the one every connector keeps (see :mod:`hicache_storage.connector`):
 
 * **Keys.** ``<prefix>:<namespace fingerprint>:<shard>:<part>:<page hash>``, one Redis string per
   page holding its raw bytes. ``SET`` replaces a value atomically, so a reader sees a whole page or

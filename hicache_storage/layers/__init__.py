@@ -151,7 +151,7 @@ def load_layer_specs(specs: LayerSpecs) -> list[Mapping[str, Any]]:
     if isinstance(data, Mapping) and set(data) == {"layers"}:
         data = data["layers"]
     elif isinstance(data, Mapping) and set(data) == {"wrappers"}:
-        from hicache_storage.compat import warn_renamed
+        from hicache_storage.deprecation import warn_renamed
 
         warn_renamed(f"the {what} key 'wrappers'", "'layers'")
         data = data["wrappers"]
