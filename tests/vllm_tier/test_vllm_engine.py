@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_role
 from engine_role import BLOCK_SIZE
+from roles import run_role
 
 from hicache_storage.testing.connector_configs import CONFIGS
 
-pytestmark = pytest.mark.services
+# A role runs several engines; on a loaded 2-core machine a module's setup can pass pytest's default 600 s.
+pytestmark = [pytest.mark.services, pytest.mark.timeout(1800)]
 
 CONNECTORS = ("file", "redis", "mooncake")
 PROMPT_TOKENS = 280  # 8 full blocks and a partial one
