@@ -30,7 +30,7 @@ class VllmConnectorConfig(BackendConfig):
     tenant: str | None = pydantic.Field(None, description="cache salt of the deployment: different tenants never share pages")
     revision: str | None = pydantic.Field(None, description="model weights revision for keys; defaults to vLLM's --revision")
     model: str | None = pydantic.Field(None, description="model identity for keys; defaults to vLLM's served model name")
-    breaker: dict[str, float] = pydantic.Field(
+    breaker: dict[str, Any] = pydantic.Field(
         default_factory=dict,
         description="store health: failures_to_open, probe_backoff_s, probe_backoff_max_s (hicache_storage.health.BreakerConfig)",
     )

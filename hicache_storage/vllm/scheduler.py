@@ -152,8 +152,8 @@ class SchedulerSide:
         possibly in different steps), and close the loads that every worker has finished."""
         invalid = set(output.invalid_block_ids or ())
         if invalid:
-            for state in self._requests.values():
-                state.failed.update(block for block in state.loading if block in invalid)
+            for loading in self._requests.values():
+                loading.failed.update(block for block in loading.loading if block in invalid)
         for req_id in output.finished_recving or ():
             state = self._requests.get(req_id)
             if state is None or not state.loading:

@@ -44,5 +44,5 @@ def make_tiny_llama(directory: str | Path, shape: TinyLlama = TinyLlama()) -> Pa
         bos_token_id=0,
         eos_token_id=1,
     )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    LlamaForCausalLM(config).bfloat16().save_pretrained(directory)
     return directory

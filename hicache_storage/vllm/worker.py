@@ -96,7 +96,11 @@ class WorkerSide:
             self._layers.append(tensor)
             self._ratio.append(ratio)
         for tensor in self._layers:
-            self.store.call("register_buffer", "buffer registration", None, lambda t=tensor: self.store.store.register_buffer(t))
+            self._register_buffer(tensor)
+
+    def _register_buffer(self, tensor: torch.Tensor) -> None:
+        """Announce one layer's cache to the store (a connector with memory registration maps it once)."""
+        self.store.call("register_buffer", "buffer registration", None, lambda: self.store.store.register_buffer(tensor))
 
     def _page(self, block_id: int) -> list[torch.Tensor]:
         """One page's segments: block ``block_id`` of every layer, in place in the KV cache."""
@@ -204,7 +208,12 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
         done = threading.Event()
-        threading.Thread(target=lambda: (self._saver.shutdown(wait=True), done.set()), daemon=True).start()
+
+        def drain() -> None:
+            self._saver.shutdown(wait=True)
+            done.set()
+
+        threading.Thread(target=drain, daemon=True).start()
         if not done.wait(SHUTDOWN_WAIT_S):
             logger.warning("hicache_storage: saves still under way after %.0f s at shutdown; they are abandoned", SHUTDOWN_WAIT_S)
         self.store.close()
