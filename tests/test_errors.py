@@ -74,12 +74,12 @@ def test_redis_error_replies_of_no_other_kind(reply, status):
 def test_the_errno_decides_a_file_errors_status(tmp_path, monkeypatch, number, status):
     import os
 
-    from hicache_storage import KeyScope, Namespace, create_backend
+    from hicache_storage import KeyScope, Namespace, Store, create_backend
 
     def failing(*args: object) -> int:
         raise OSError(number, os.strerror(number))
 
-    store = create_backend("file", {"root": str(tmp_path / "kv")})
+    store = Store(create_backend("file", {"root": str(tmp_path / "kv")}))
     monkeypatch.setattr(os, "pwritev", failing)
     try:
         with pytest.raises(StorageError) as caught:

@@ -34,6 +34,7 @@ from hicache_storage.errors import (
     StorageError,
 )
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
+from hicache_storage.store import Store
 
 NAMESPACE = Namespace(model="file-test", kv_dtype="bfloat16", page_size=16)
 SCOPE = KeyScope(NAMESPACE)
@@ -60,16 +61,16 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def opened(root: Path):
-    backends: list[FileBackend] = []
+    stores: list[Store] = []
 
-    def open_backend(**config: object) -> FileBackend:
-        backend = FileBackend({"root": str(root), **config})
-        backends.append(backend)
-        return backend
+    def open_store(**config: object) -> Store:
+        store = Store(FileBackend({"root": str(root), **config}))
+        stores.append(store)
+        return store
 
-    yield open_backend
-    for backend in backends:
-        backend.close()
+    yield open_store
+    for store in stores:
+        store.close()
 
 
 # --- round trips and misses ------------------------------------------------------------------
@@ -127,9 +128,10 @@ _WRITER_SCRIPT = textwrap.dedent(
     import sys
     from hicache_storage.connectors.file import FileBackend
     from hicache_storage.keys import KeyScope, Namespace
+    from hicache_storage.store import Store
     root, page_hash, size, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     scope = KeyScope(Namespace(model="file-test", kv_dtype="bfloat16", page_size=16))
-    with FileBackend({"root": root}) as store:
+    with Store(FileBackend({"root": root})) as store:
         for i in range(rounds):
             fill = bytes([200 + i % 50]) * (size // 2)
             assert store.put_from([scope.key(page_hash)], [[fill, fill]]) == [True]
@@ -196,9 +198,10 @@ _READER_SCRIPT = textwrap.dedent(
     import json, sys
     from hicache_storage.connectors.file import FileBackend
     from hicache_storage.keys import KeyScope, Namespace
+    from hicache_storage.store import Store
     root, page_hash, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     scope = KeyScope(Namespace(model="file-test", kv_dtype="bfloat16", page_size=16))
-    with FileBackend({"root": root}) as store:
+    with Store(FileBackend({"root": root})) as store:
         [page] = store.get([scope.key(page_hash)], size)
     print(json.dumps(page.hex() if page is not None else None))
     """
@@ -707,7 +710,7 @@ def test_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 def test_close_stops_the_pool(root: Path) -> None:
     before = set(threading.enumerate())
-    store = FileBackend({"root": str(root), "io_threads": 3})
+    store = Store(FileBackend({"root": str(root), "io_threads": 3}))
     store.put([key(i) for i in range(6)], [b"z"] * 6)
     workers = [t for t in set(threading.enumerate()) - before if t.name.startswith("hicache-file-io")]
     assert workers

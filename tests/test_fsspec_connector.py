@@ -18,6 +18,7 @@ from hicache_storage import (
     KeyScope,
     Namespace,
     StorageTimeoutError,
+    Store,
     create_backend,
 )
 from hicache_storage.conformance import ConformanceTests
@@ -56,7 +57,7 @@ def page_hash(i: int) -> str:
 @pytest.fixture(params=["memory", "file"])
 def local_store(request, tmp_path) -> Iterator[object]:
     url = f"memory://fsspec-test-{uuid.uuid4().hex[:8]}" if request.param == "memory" else f"file://{tmp_path}/kv"
-    store = create_backend("fsspec", {"url": url})
+    store = Store(create_backend("fsspec", {"url": url}))
     yield store
     store.close()
 
@@ -109,7 +110,7 @@ def test_capabilities_follow_the_protocol(tmp_path):
 
 
 def test_local_writes_publish_by_rename_and_leave_no_temporaries(tmp_path, scope):
-    store = create_backend("fsspec", {"url": f"file://{tmp_path}/kv"})
+    store = Store(create_backend("fsspec", {"url": f"file://{tmp_path}/kv"}))
     try:
         keys = scope.keys([page_hash(i) for i in range(20)])
         for round_ in range(3):
@@ -123,11 +124,11 @@ def test_local_writes_publish_by_rename_and_leave_no_temporaries(tmp_path, scope
 
 def test_a_page_replaced_during_a_read_is_read_whole(tmp_path, scope, monkeypatch):
     """The read holds its open file: a rename over the page cannot mix two versions."""
-    store = create_backend("fsspec", {"url": f"file://{tmp_path}/kv"})
+    store = Store(create_backend("fsspec", {"url": f"file://{tmp_path}/kv"}))
     try:
         key = scope.key(page_hash(1))
         assert store.put([key], [b"\x01" * 8192]) == [True]
-        original_open = store._fs.open
+        original_open = store.top._fs.open
 
         def open_then_replace(path, mode="rb", **kwargs):
             handle = original_open(path, mode, **kwargs)
@@ -136,7 +137,7 @@ def test_a_page_replaced_during_a_read_is_read_whole(tmp_path, scope, monkeypatc
                 os.replace(path + ".new", path)
             return handle
 
-        monkeypatch.setattr(store._fs, "open", open_then_replace)
+        monkeypatch.setattr(store.top._fs, "open", open_then_replace)
         first, second = bytearray(4096), bytearray(4096)
         assert store.get_into([key], [[first, second]]) == [True]
         assert bytes(first + second) == b"\x01" * 8192
@@ -176,7 +177,7 @@ def test_module_imports_without_fsspec_and_names_missing_s3fs():
 @pytest.mark.services
 def test_s3_round_trip_is_one_object_per_page(seaweedfs, scope):
     config = s3_config(seaweedfs)
-    store = create_backend("fsspec", config)
+    store = Store(create_backend("fsspec", config))
     try:
         assert store.capabilities.persistent and store.capabilities.shared_across_hosts
         keys = scope.keys([page_hash(i) for i in range(4)])
@@ -198,7 +199,7 @@ def test_s3_round_trip_is_one_object_per_page(seaweedfs, scope):
 def test_s3_pages_written_elsewhere_are_seen(seaweedfs, scope):
     """No stale listing cache: a page another client writes after a listing is found."""
     config = s3_config(seaweedfs)
-    reader, writer = create_backend("fsspec", config), create_backend("fsspec", config)
+    reader, writer = Store(create_backend("fsspec", config)), Store(create_backend("fsspec", config))
     try:
         key = scope.key(page_hash(1))
         reader.clear(scope.namespace)  # lists the namespace (and finds nothing)
@@ -256,7 +257,7 @@ def test_s3_kill_and_restart(scope):
     server = SeaweedFS()
     server.start()
     try:
-        store = create_backend("fsspec", s3_config(server))
+        store = Store(create_backend("fsspec", s3_config(server)))
         keys = scope.keys([page_hash(i) for i in range(4)])
         values = [os.urandom(2000) for _ in keys]
         assert store.put(keys, values) == [True] * 4

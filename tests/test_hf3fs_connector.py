@@ -21,6 +21,7 @@ from hicache_storage.conformance import ConformanceTests
 from hicache_storage.connectors.hf3fs import HF3FSBackend, usrbio_available
 from hicache_storage.errors import BackendUnavailableError, ConfigError, MissingDependencyError, ValueTooLargeError
 from hicache_storage.keys import KeyScope, Namespace, Shard
+from hicache_storage.store import Store
 
 SLOT = 4096
 
@@ -65,10 +66,10 @@ def scope() -> KeyScope:
     return KeyScope(Namespace(model=f"hf3fs-test-{random.getrandbits(48):012x}", kv_dtype="bfloat16", page_size=16))
 
 
-def small_store(root: Path, index_config: dict[str, Any], slots: int, **extra: Any) -> HF3FSBackend:
+def small_store(root: Path, index_config: dict[str, Any], slots: int, **extra: Any) -> Store:
     """A store with exactly ``slots`` slots of 4 KiB (one file)."""
     config = {"root": str(root), "file_size": slots * SLOT, "numjobs": 1, "page_size_bytes": SLOT}
-    return HF3FSBackend({**config, **index_config, **extra})
+    return Store(HF3FSBackend({**config, **index_config, **extra}))
 
 
 def page(key_number: int, size: int = SLOT) -> bytes:
@@ -131,14 +132,15 @@ def test_reader_sees_a_miss_when_its_slot_is_reused_mid_read(
     with small_store(tmp_path / "mount", index_config, slots=1) as store:
         victim, intruder = scope.keys(hashes(2, 3))
         assert store.put([victim], [page(1)]) == [True]
-        real_read = store._files.read
+        files = store.top._files
+        real_read = files.read
 
         def read_after_reuse(loc: Any, target: Any) -> bool:
-            store._files.read = real_read  # once
+            files.read = real_read  # once
             assert store.put([intruder], [page(2)]) == [True]  # evicts the victim, reuses its slot
             return real_read(loc, target)
 
-        store._files.read = read_after_reuse  # type: ignore[method-assign]
+        files.read = read_after_reuse  # type: ignore[method-assign]
         target = bytearray(SLOT)
         assert store.get_into([victim], [target]) == [False], "a read of a reused slot must be a miss"
         assert bytes(target) == page(2), "the injected reuse did not happen; the test proves nothing"
@@ -193,7 +195,7 @@ def test_two_ranks_share_pages_through_redis(tmp_path: Path, redis_server: Any, 
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "numjobs": 2, "page_size_bytes": SLOT}
     common |= {"metadata_url": redis_server.url, "metadata_prefix": f"test:{tmp_path.name}:"}
     mla = KeyScope(scope.namespace, Shard(tp_rank=0, tp_size=2, replicated=True))
-    with HF3FSBackend({**common, "rank": 0}) as rank0, HF3FSBackend({**common, "rank": 1}) as rank1:
+    with Store(HF3FSBackend({**common, "rank": 0})) as rank0, Store(HF3FSBackend({**common, "rank": 1})) as rank1:
         keys = mla.keys(hashes(3, 5))
         assert rank0.put(keys, [page(i) for i in range(3)]) == [True] * 3
         assert rank1.exists(keys) == [True] * 3
@@ -225,7 +227,7 @@ def test_in_process_index_keeps_other_processes_off_the_rank(tmp_path: Path, sco
             print("opened")
         """
     )
-    with HF3FSBackend(config):
+    with Store(HF3FSBackend(config)):
         taken = subprocess.run([sys.executable, "-c", child, json.dumps(config)], capture_output=True, text=True, timeout=60)
         other_rank = subprocess.run(
             [sys.executable, "-c", child, json.dumps({**config, "rank": 1})], capture_output=True, text=True, timeout=60
@@ -236,7 +238,7 @@ def test_in_process_index_keeps_other_processes_off_the_rank(tmp_path: Path, sco
 
 def test_instances_in_one_process_share_the_in_process_index(tmp_path: Path, scope: KeyScope) -> None:
     config = {"root": str(tmp_path / "mount"), "file_size": 4 * SLOT, "numjobs": 1, "page_size_bytes": SLOT}
-    with HF3FSBackend(config) as first, HF3FSBackend(config) as second:
+    with Store(HF3FSBackend(config)) as first, Store(HF3FSBackend(config)) as second:
         keys = scope.keys(hashes(2, 7))
         assert first.put(keys, [page(1), page(2)]) == [True, True]
         assert second.get(keys, SLOT) == [page(1), page(2)]
@@ -247,7 +249,7 @@ def test_instances_in_one_process_share_the_in_process_index(tmp_path: Path, sco
 
 def test_page_size_is_fixed_by_the_first_write(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
     config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
-    with HF3FSBackend(config) as store:
+    with Store(HF3FSBackend(config)) as store:
         assert store.capabilities.max_value_size is None
         keys = scope.keys(hashes(3, 8))
         assert store.put(keys[:1], [b"x" * 5000]) == [True]
@@ -263,15 +265,16 @@ def test_hooks_take_empty_calls_before_the_slot_size_is_known(tmp_path: Path, in
     """The facade never passes an empty call down, but the hooks called directly take one too, and
     an empty put fixes no slot size (it once raised a bare ValueError from max() of nothing)."""
     config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
-    with HF3FSBackend(config) as store:
-        assert store.hook_put_from([], []) == []
-        assert store.hook_exists([]) == [] and store.hook_get_into([], []) == [] and store.hook_delete([]) == []
-        assert store.capabilities.max_value_size is None, "an empty put must not fix the slot size"
+    with Store(HF3FSBackend(config)) as store:
+        connector = store.top
+        assert connector.hook_put_from([], []) == []
+        assert connector.hook_exists([]) == [] and connector.hook_get_into([], []) == [] and connector.hook_delete([]) == []
+        assert connector.capabilities.max_value_size is None, "an empty put must not fix the slot size"
 
 
 def test_a_first_put_of_zero_byte_pages_fixes_one_aligned_slot(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
     config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
-    with HF3FSBackend(config) as store:
+    with Store(HF3FSBackend(config)) as store:
         keys = scope.keys(hashes(2, 9))
         assert len(store.put(keys[:1], [b""])) == 1
         assert store.capabilities.max_value_size == SLOT
@@ -283,7 +286,7 @@ def test_a_first_put_of_zero_byte_pages_fixes_one_aligned_slot(tmp_path: Path, i
 def test_shared_index_rejects_another_page_size(tmp_path: Path, redis_server: Any) -> None:
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "metadata_url": redis_server.url}
     common["metadata_prefix"] = f"test:{tmp_path.name}:"
-    with HF3FSBackend({**common, "page_size_bytes": SLOT}):
+    with Store(HF3FSBackend({**common, "page_size_bytes": SLOT})):
         with pytest.raises(ConfigError, match="page_size_bytes"):
             HF3FSBackend({**common, "page_size_bytes": 2 * SLOT, "rank": 1})
 
@@ -327,7 +330,7 @@ def test_usrbio_without_the_binding_is_a_missing_dependency(tmp_path: Path) -> N
 
 
 def test_posix_path_declares_zero_copy(tmp_path: Path) -> None:
-    with HF3FSBackend({"root": str(tmp_path), "file_size": 4 * SLOT, "io": "posix"}) as store:
+    with Store(HF3FSBackend({"root": str(tmp_path), "file_size": 4 * SLOT, "io": "posix"})) as store:
         assert store.capabilities.zero_copy_read and store.capabilities.zero_copy_write
 
 
@@ -445,7 +448,7 @@ class TestHF3FSUsrbioGlue(ConformanceTests):
     def backend_config(self, tmp_path: Path) -> dict[str, Any]:
         return {**conformance_config(tmp_path / "mount"), "io": "usrbio", "usrbio_entries": 8}
 
-    def test_usrbio_path_is_the_one_used(self, store: HF3FSBackend, scope: KeyScope, stand_in_binding: Any) -> None:
+    def test_usrbio_path_is_the_one_used(self, store: Store, scope: KeyScope, stand_in_binding: Any) -> None:
         from hicache_storage.connectors.hf3fs import UsrbioFiles
 
         assert isinstance(store.top._files, UsrbioFiles)

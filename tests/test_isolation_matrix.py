@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from connector_matrix import CONNECTORS, connector_config
-from hicache_storage import KeyScope, Namespace, Shard, create_backend
+from hicache_storage import KeyScope, Namespace, Shard, Store, create_backend
 from hicache_storage.conformance.clauses_identity import SHARD_VARIANTS
 
 BASE = Namespace(model="isolation-model", kv_dtype="bfloat16", page_size=64, layout="page_first", revision="r1", tenant="alpha")
@@ -45,7 +45,7 @@ def test_identities_never_share_pages(request, tmp_path, label):
     name, config = connector_config(request, label, tmp_path)
     scopes = identities()
     page_hash = "5a" * 32
-    with create_backend(name, config) as store:
+    with Store(create_backend(name, config)) as store:
         try:
             values = {ident: bytes([i + 1]) * PAGE for i, ident in enumerate(scopes)}
             for ident, scope in scopes.items():

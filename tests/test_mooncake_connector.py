@@ -22,6 +22,7 @@ import pytest
 from hicache_storage.conformance import ConformanceTests
 from hicache_storage.errors import BackendUnavailableError, ConfigError, StorageTimeoutError
 from hicache_storage.keys import KeyScope, Namespace
+from hicache_storage.store import Store
 from hicache_storage.testing.mooncake_master import MooncakeMaster
 from reused_store import ReusedStore
 
@@ -47,10 +48,10 @@ def scope() -> KeyScope:
 
 
 @pytest.fixture
-def store(mooncake_master: MooncakeMaster) -> Iterator[MooncakeBackend]:
-    backend = MooncakeBackend(mooncake_master.client_config())
-    yield backend
-    backend.close()
+def store(mooncake_master: MooncakeMaster) -> Iterator[Store]:
+    opened = Store(MooncakeBackend(mooncake_master.client_config()))
+    yield opened
+    opened.close()
 
 
 @pytest.fixture
@@ -66,30 +67,30 @@ def hashes(n: int, seed: int = 0) -> list[str]:
     return ["%064x" % rng.getrandbits(256) for _ in range(n)]
 
 
-def count_staging_uses(store: MooncakeBackend) -> list[int]:
+def count_staging_uses(connector: MooncakeBackend) -> list[int]:
     """Record how many pages each call sends through the staging buffer (a spy, not a mock)."""
     uses: list[int] = []
-    original = store._staging_chunks
+    original = connector._staging_chunks
 
     def spy(indices: list[int], buffers: Any) -> list[list[int]]:
         uses.append(len(indices))
         return original(indices, buffers)
 
-    store._staging_chunks = spy  # type: ignore[method-assign]
+    connector._staging_chunks = spy  # type: ignore[method-assign]
     return uses
 
 
 # --- zero copy ----------------------------------------------------------------------------------
 
 
-def test_registered_pool_moves_pages_without_staging(store: MooncakeBackend, scope: KeyScope) -> None:
+def test_registered_pool_moves_pages_without_staging(store: Store, scope: KeyScope) -> None:
     page = 8192
     pool = np.zeros(16 * page, dtype=np.uint8)
     store.register_buffer(pool)
     rng = np.random.default_rng(1)
     pool[: 4 * page] = rng.integers(0, 256, 4 * page, dtype=np.uint8)
     keys = scope.keys(hashes(4, 1))
-    uses = count_staging_uses(store)
+    uses = count_staging_uses(store.top)
     assert store.put_from(keys, [pool[i * page : (i + 1) * page] for i in range(4)]) == [True] * 4
     # reads into registered memory, one segment and two segments (K and V halves) per page
     targets = [pool[(4 + i) * page : (5 + i) * page] for i in range(2)]
@@ -105,10 +106,10 @@ def test_registered_pool_moves_pages_without_staging(store: MooncakeBackend, sco
         assert got == bytes(pool[i * page : (i + 1) * page])
 
 
-def test_unregistered_and_multi_segment_pages_use_staging(store: MooncakeBackend, scope: KeyScope) -> None:
+def test_unregistered_and_multi_segment_pages_use_staging(store: Store, scope: KeyScope) -> None:
     keys = scope.keys(hashes(3, 2))
     values = [os.urandom(5000) for _ in keys]
-    uses = count_staging_uses(store)
+    uses = count_staging_uses(store.top)
     assert store.put_from(keys, [values[0], [values[1][:100], values[1][100:]], bytearray(values[2])]) == [True] * 3
     targets = [bytearray(5000), [bytearray(2500), bytearray(2500)], memoryview(bytearray(5000))]
     assert store.get_into(keys, targets) == [True] * 3
@@ -118,7 +119,7 @@ def test_unregistered_and_multi_segment_pages_use_staging(store: MooncakeBackend
 
 def test_batches_larger_than_the_staging_buffer(mooncake_master: MooncakeMaster, scope: KeyScope) -> None:
     config = {**mooncake_master.client_config(), "staging_buffer_size": 3 * 4096}
-    with MooncakeBackend(config) as store:
+    with Store(MooncakeBackend(config)) as store:
         keys = scope.keys(hashes(10, 3))
         values = [os.urandom(4096) for _ in keys]
         assert store.put(keys, values) == [True] * 10
@@ -129,7 +130,7 @@ def test_batches_larger_than_the_staging_buffer(mooncake_master: MooncakeMaster,
 
 
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "unregistered"])
-def test_overwrite_replaces_the_value(store: MooncakeBackend, scope: KeyScope, registered: bool) -> None:
+def test_overwrite_replaces_the_value(store: Store, scope: KeyScope, registered: bool) -> None:
     """Mooncake's ``put`` keeps an existing value; the connector must upsert."""
     pool = np.zeros(3 * 4096, dtype=np.uint8)
     if registered:
@@ -152,7 +153,7 @@ def test_delete_waits_out_a_read_lease(tmp_path: Any, scope: KeyScope) -> None:
     try:
         config = master.client_config()
         keys = scope.keys(hashes(2, 5))
-        with MooncakeBackend({**config, "lease_ttl_s": 0.1}) as impatient, MooncakeBackend(config) as patient:
+        with Store(MooncakeBackend({**config, "lease_ttl_s": 0.1})) as impatient, Store(MooncakeBackend(config)) as patient:
             assert impatient.put(keys, [b"a" * 64, b"b" * 64]) == [True, True]
             assert impatient.get(keys[:1], 64) == [b"a" * 64]  # takes a 1.5 s read lease
             assert impatient.delete(keys[:1]) == [False], "a leased page was reported removed"
@@ -163,7 +164,7 @@ def test_delete_waits_out_a_read_lease(tmp_path: Any, scope: KeyScope) -> None:
         master.stop()
 
 
-def test_clear_waits_out_this_clients_own_read_leases(store: MooncakeBackend, scope: KeyScope) -> None:
+def test_clear_waits_out_this_clients_own_read_leases(store: Store, scope: KeyScope) -> None:
     keys = [scope.key(h) for h in hashes(3, 12)] + [scope.with_part("v").key(hashes(1, 13)[0])]
     assert store.put(keys, [b"p" * 128] * 4) == [True] * 4
     assert store.exists(keys) == [True] * 4  # every page now holds a read lease
@@ -180,9 +181,10 @@ CHILD = textwrap.dedent(
     import numpy as np
     from hicache_storage.connectors.mooncake import MooncakeBackend
     from hicache_storage.keys import KeyScope, Namespace
+    from hicache_storage.store import Store
     request = json.load(sys.stdin)
     scope = KeyScope(Namespace(**request["namespace"]))
-    with MooncakeBackend(request["config"]) as store:
+    with Store(MooncakeBackend(request["config"])) as store:
         pool = np.zeros(4 * 4096, dtype=np.uint8)
         store.register_buffer(pool)
         read_keys = scope.keys(request["read"])
@@ -196,7 +198,7 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_two_processes_share_pages(mooncake_master: MooncakeMaster, store: MooncakeBackend, scope: KeyScope) -> None:
+def test_two_processes_share_pages(mooncake_master: MooncakeMaster, store: Store, scope: KeyScope) -> None:
     ours, theirs = hashes(2, 6), hashes(2, 7)
     our_value, their_value = os.urandom(2 * 4096), os.urandom(2 * 4096)
     assert store.put(scope.keys(ours), [our_value[:4096], our_value[4096:]]) == [True, True]
@@ -234,10 +236,11 @@ WRITER = textwrap.dedent(
     import json, sys
     from hicache_storage.connectors.mooncake import MooncakeBackend
     from hicache_storage.keys import KeyScope, Namespace
+    from hicache_storage.store import Store
 
     request = json.loads(sys.stdin.readline())
     scope = KeyScope(Namespace(**request["namespace"]))
-    with MooncakeBackend(request["config"]) as store:
+    with Store(MooncakeBackend(request["config"])) as store:
         stored = store.put(scope.keys(request["write"]), [bytes.fromhex(request["value"])])
         print(json.dumps({"stored": stored}), flush=True)
         sys.stdin.readline()  # stay alive, segment mounted, until told to exit
@@ -255,10 +258,10 @@ def plain_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeM
 
 
 def test_capabilities_follow_the_deployment(mooncake_master: MooncakeMaster) -> None:
-    with MooncakeBackend(mooncake_master.client_config()) as no_segment:
+    with Store(MooncakeBackend(mooncake_master.client_config())) as no_segment:
         caps = no_segment.capabilities
         assert caps.persistent and caps.outlives_writer and caps.shared_across_processes
-    with MooncakeBackend(mooncake_master.client_config(CLIENT_SEGMENT)) as own_segment:
+    with Store(MooncakeBackend(mooncake_master.client_config(CLIENT_SEGMENT))) as own_segment:
         caps = own_segment.capabilities
         assert not caps.persistent and not caps.outlives_writer
         assert caps.shared_across_processes and caps.shared_across_hosts
@@ -290,7 +293,7 @@ def test_per_client_segment_a_peer_page_is_visible_while_the_peer_lives(plain_ma
     )
     assert peer.stdin is not None and peer.stdout is not None
     # This reader mounts no segment, so the page can only be in the peer's.
-    with MooncakeBackend(plain_master.client_config()) as reader:
+    with Store(MooncakeBackend(plain_master.client_config())) as reader:
         try:
             peer.stdin.write(json.dumps(request) + "\n")
             peer.stdin.flush()
@@ -335,7 +338,7 @@ def test_suite_on_per_client_segments_proves_what_is_declared(plain_master: Moon
 
 @pytest.mark.slow
 def test_master_killed_and_restarted(own_master: MooncakeMaster, scope: KeyScope) -> None:
-    with MooncakeBackend(own_master.client_config()) as store:
+    with Store(MooncakeBackend(own_master.client_config())) as store:
         keys = scope.keys(hashes(4, 8))
         values = [os.urandom(4096) for _ in keys]
         assert store.put(keys, values) == [True] * 4
@@ -368,7 +371,7 @@ def test_master_killed_and_restarted(own_master: MooncakeMaster, scope: KeyScope
 
 @pytest.mark.slow
 def test_frozen_master_gives_a_timeout_not_a_hang(own_master: MooncakeMaster, scope: KeyScope) -> None:
-    with MooncakeBackend(own_master.client_config()) as store:
+    with Store(MooncakeBackend(own_master.client_config())) as store:
         keys = scope.keys(hashes(1, 9))
         own_master.freeze()
         try:
@@ -413,10 +416,11 @@ class _FailingExists:
 )
 def test_an_exists_whose_every_key_failed_is_an_error_not_a_batch_of_misses(store, scope, monkeypatch, reply, error) -> None:
     keys = scope.keys(hashes(2, 11))
-    monkeypatch.setattr(store, "_store", _FailingExists(store._store, reply))
+    connector = store.top
+    monkeypatch.setattr(connector, "_store", _FailingExists(connector._store, reply))
     with pytest.raises(error, match="did not answer an exists of 2 keys"):
         store.exists(keys)
-    monkeypatch.setattr(store, "_store", _FailingExists(store._store._client, lambda keys: [1, -1]))
+    monkeypatch.setattr(connector, "_store", _FailingExists(connector._store._client, lambda keys: [1, -1]))
     assert store.exists(keys) == [True, False], "one key failing is a miss for that key"
 
 def test_unreachable_master_is_named_at_construction(tmp_path: Any) -> None:
@@ -459,7 +463,7 @@ def test_bad_size_is_a_config_error() -> None:
 
 
 
-def test_empty_page_is_reported_not_stored(store: MooncakeBackend, scope: KeyScope) -> None:
+def test_empty_page_is_reported_not_stored(store: Store, scope: KeyScope) -> None:
     """Mooncake refuses zero-byte objects; the connector says so per key instead of failing the batch."""
     empty, full = scope.keys(hashes(2, 10))
     assert store.put([empty, full], [b"", b"x" * 10]) == [False, True]

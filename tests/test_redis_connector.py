@@ -32,6 +32,7 @@ from hicache_storage.errors import (
 )
 from hicache_storage.keys import KeyScope, Namespace, Shard
 from hicache_storage.registry import create_backend
+from hicache_storage.store import Store
 from hicache_storage.testing.process import free_port
 from hicache_storage.testing.redis_server import RedisCluster, RedisServer
 
@@ -54,10 +55,10 @@ def rng(request: pytest.FixtureRequest) -> random.Random:
 
 
 @pytest.fixture
-def store(redis_server: RedisServer) -> Iterator[RedisBackend]:
-    backend = RedisBackend({"url": redis_server.url})
-    yield backend
-    backend.close()
+def store(redis_server: RedisServer) -> Iterator[Store]:
+    opened = Store(RedisBackend({"url": redis_server.url}))
+    yield opened
+    opened.close()
 
 
 @pytest.fixture
@@ -212,11 +213,11 @@ class TestConfig:
 @pytest.mark.services
 class TestStandalone:
     def test_registered_name(self, redis_server: RedisServer) -> None:
-        with create_backend("redis", {"url": redis_server.url}) as backend:
-            assert isinstance(backend, RedisBackend)
+        with Store(create_backend("redis", {"url": redis_server.url})) as store:
+            assert isinstance(store.top, RedisBackend)
 
     def test_roundtrip_is_binary_safe_and_stored_under_the_rendered_key(
-        self, store: RedisBackend, raw: object, rng: random.Random
+        self, store: Store, raw: object, rng: random.Random
     ) -> None:
         scope = new_scope(tp_rank=1, tp_size=2)
         keys = random_keys(scope, 5, rng)
@@ -228,7 +229,7 @@ class TestStandalone:
             expected = f"hicache:{scope.namespace.fingerprint}:tp1of2-pp0of1-cp0of1:kv:{key.page_hash}"
             assert expected == f"hicache:{key.render(':')}"
 
-    def test_segments_in_and_out(self, store: RedisBackend, rng: random.Random) -> None:
+    def test_segments_in_and_out(self, store: Store, rng: random.Random) -> None:
         import numpy as np
 
         [key] = random_keys(new_scope(), 1, rng)
@@ -238,13 +239,13 @@ class TestStandalone:
         assert store.get_into([key], [[target[:1000], target[1000:]]]) == [True]
         assert target.tobytes() == k_half.tobytes() + v_half
 
-    def test_empty_page(self, store: RedisBackend, rng: random.Random) -> None:
+    def test_empty_page(self, store: Store, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
         assert store.put([key], [b""]) == [True]
         assert store.get([key], 0) == [b""]
         assert store.get([key], 1) == [None]
 
-    def test_per_key_results_in_order_with_duplicates(self, store: RedisBackend, rng: random.Random) -> None:
+    def test_per_key_results_in_order_with_duplicates(self, store: Store, rng: random.Random) -> None:
         scope = new_scope()
         present, absent = random_keys(scope, 3, rng), random_keys(scope, 2, rng)
         store.put(present, [b"a" * 8, b"b" * 8, b"c" * 8])
@@ -253,14 +254,14 @@ class TestStandalone:
         assert store.get(batch, 8) == [b"a" * 8, None, b"c" * 8, b"a" * 8, None, b"b" * 8]
         assert store.prefix_exists(batch) == 1
 
-    def test_other_length_is_a_miss(self, store: RedisBackend, rng: random.Random) -> None:
+    def test_other_length_is_a_miss(self, store: Store, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
         store.put([key], [b"x" * 100])
         assert store.get([key], 99) == [None]
         assert store.get([key], 101) == [None]
         assert store.get([key], 100) == [b"x" * 100]
 
-    def test_a_foreign_value_type_is_a_per_key_miss(self, store: RedisBackend, raw: object, rng: random.Random) -> None:
+    def test_a_foreign_value_type_is_a_per_key_miss(self, store: Store, raw: object, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 2, rng)
         raw.hset(f"hicache:{keys[0].render(':')}", "field", "not a page")  # GET on it fails with WRONGTYPE
         store.put(keys[1:], [b"page"])
@@ -268,7 +269,7 @@ class TestStandalone:
         assert store.put(keys[:1], [b"mine"]) == [True]  # SET replaces any type
         assert store.get(keys, 4) == [b"mine", b"page"]
 
-    def test_delete(self, store: RedisBackend, raw: object, rng: random.Random) -> None:
+    def test_delete(self, store: Store, raw: object, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 3, rng)
         store.put(keys[:2], [b"1", b"2"])
         assert store.delete(keys) == [True, True, False]
@@ -276,13 +277,13 @@ class TestStandalone:
         assert raw.exists(*[f"hicache:{k.render(':')}" for k in keys]) == 0
 
     def test_clear_removes_one_namespace_in_batches(
-        self, redis_server: RedisServer, store: RedisBackend, raw: object, rng: random.Random
+        self, redis_server: RedisServer, store: Store, raw: object, rng: random.Random
     ) -> None:
         doomed, kept = new_scope("doomed"), new_scope("kept")
         other_part = doomed.with_part("swa")
         doomed_keys = random_keys(doomed, 1200, rng) + random_keys(other_part, 30, rng)  # more than one UNLINK batch
         kept_keys = random_keys(kept, 20, rng)
-        with RedisBackend({"url": redis_server.url, "prefix": "elsewhere"}) as other_prefix:
+        with Store(RedisBackend({"url": redis_server.url, "prefix": "elsewhere"})) as other_prefix:
             other_prefix.put(doomed_keys[:10], [b"p"] * 10)
             store.put(doomed_keys, [b"d"] * len(doomed_keys))
             store.put(kept_keys, [b"k"] * len(kept_keys))
@@ -297,9 +298,9 @@ class TestStandalone:
         [key] = random_keys(new_scope(), 1, rng)
         base = redis_server.url.rsplit("/", 1)[0]
         with (
-            RedisBackend({"url": f"{base}/0"}) as db0,
-            RedisBackend({"url": f"{base}/1"}) as db1,
-            RedisBackend({"url": f"{base}?db=1", "prefix": "tenant2"}) as db1_other,
+            Store(RedisBackend({"url": f"{base}/0"})) as db0,
+            Store(RedisBackend({"url": f"{base}/1"})) as db1,
+            Store(RedisBackend({"url": f"{base}?db=1", "prefix": "tenant2"})) as db1_other,
         ):
             assert db1.put([key], [b"in db 1"]) == [True]
             assert db0.exists([key]) == [False]
@@ -313,7 +314,7 @@ class TestStandalone:
     @pytest.mark.slow
     def test_ttl_expires_pages(self, redis_server: RedisServer, raw: object, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 2, rng)
-        with RedisBackend({"url": redis_server.url, "ttl_seconds": 1}) as backend:
+        with Store(RedisBackend({"url": redis_server.url, "ttl_seconds": 1})) as backend:
             assert backend.capabilities.ttl and backend.capabilities.evicts
             assert backend.put(keys, [b"a", b"b"]) == [True, True]
             assert 0 < raw.pttl(f"hicache:{keys[0].render(':')}") <= 1000
@@ -322,7 +323,7 @@ class TestStandalone:
             assert backend.exists(keys) == [False, False]
             assert backend.get(keys, 1) == [None, None]
 
-    def test_without_ttl_pages_do_not_expire(self, store: RedisBackend, raw: object, rng: random.Random) -> None:
+    def test_without_ttl_pages_do_not_expire(self, store: Store, raw: object, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
         store.put([key], [b"v"])
         assert raw.ttl(f"hicache:{key.render(':')}") == -1
@@ -330,7 +331,7 @@ class TestStandalone:
 
     def test_max_value_size_is_configurable(self, redis_server: RedisServer, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
-        with RedisBackend({"url": redis_server.url, "max_value_size": 1000}) as backend:
+        with Store(RedisBackend({"url": redis_server.url, "max_value_size": 1000})) as backend:
             assert backend.capabilities.max_value_size == 1000
             with pytest.raises(ValueTooLargeError):
                 backend.put([key], [bytes(1001)])
@@ -340,7 +341,7 @@ class TestStandalone:
         server = RedisServer(extra_config=["proto-max-bulk-len 2mb"])
         server.start()
         try:
-            with RedisBackend({"url": server.url}) as backend:
+            with Store(RedisBackend({"url": server.url})) as backend:
                 assert backend.capabilities.max_value_size == 2 * 2**20
         finally:
             server.stop()
@@ -349,7 +350,7 @@ class TestStandalone:
         server = RedisServer(extra_config=["maxmemory 64mb", "maxmemory-policy allkeys-lru"])
         server.start()
         try:
-            with RedisBackend({"url": server.url}) as backend:
+            with Store(RedisBackend({"url": server.url})) as backend:
                 assert backend.capabilities.evicts
         finally:
             server.stop()
@@ -361,7 +362,7 @@ class TestStandalone:
         try:
             keys = random_keys(new_scope(), 16, rng)
             values = [rng.randbytes(512 * 1024) for _ in keys]
-            with RedisBackend({"url": server.url}) as backend:
+            with Store(RedisBackend({"url": server.url})) as backend:
                 assert not backend.capabilities.evicts
                 stored = backend.put(keys, values)
                 assert True in stored and False in stored
@@ -372,14 +373,14 @@ class TestStandalone:
     def test_large_batches_are_split_to_max_batch(self, redis_server: RedisServer, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 50, rng)
         values = [rng.randbytes(64) for _ in keys]
-        with RedisBackend({"url": redis_server.url, "max_batch": 7}) as backend:
+        with Store(RedisBackend({"url": redis_server.url, "max_batch": 7})) as backend:
             assert backend.capabilities.max_batch == 7
             assert backend.put(keys, values) == [True] * 50
             assert backend.get(keys, 64) == values
 
     def test_unix_socket_with_password(self, password_server: RedisServer, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
-        with RedisBackend({"url": password_server.unix_url, "password": PASSWORD}) as backend:
+        with Store(RedisBackend({"url": password_server.unix_url, "password": PASSWORD})) as backend:
             assert not backend.capabilities.shared_across_hosts
             assert backend.put([key], [b"over a socket file"]) == [True]
             assert backend.get([key], 18) == [b"over a socket file"]
@@ -387,7 +388,7 @@ class TestStandalone:
     def test_tls_with_ca_bundle(self, tls_server: RedisServer, rng: random.Random) -> None:
         [key] = random_keys(new_scope(), 1, rng)
         assert tls_server.url.startswith("rediss://")
-        with RedisBackend({"url": tls_server.url, "ssl_ca_certs": str(tls_server.ca_path)}) as backend:
+        with Store(RedisBackend({"url": tls_server.url, "ssl_ca_certs": str(tls_server.ca_path)})) as backend:
             assert backend.put([key], [b"encrypted"]) == [True]
             assert backend.get([key], 9) == [b"encrypted"]
 
@@ -406,9 +407,10 @@ class TestFailures:
         [key] = random_keys(new_scope(), 1, rng)
         url_with_password = f"redis://:{PASSWORD}@{password_server.address}/0"
         for config in ({"url": url_with_password}, {"url": password_server.url, "password": PASSWORD}):
-            with RedisBackend(config) as backend:
+            with Store(RedisBackend(config)) as backend:
                 assert backend.put([key], [b"ok"]) == [True]
                 assert PASSWORD not in repr(backend) and PASSWORD not in str(backend)
+                assert PASSWORD not in repr(backend.top) and PASSWORD not in str(backend.top)
 
     @pytest.mark.parametrize("given", ["wrong-password", None])
     def test_wrong_or_missing_password(self, password_server: RedisServer, given: str | None) -> None:
@@ -429,9 +431,9 @@ class TestFailures:
         server.start()
         try:
             [key] = random_keys(new_scope(), 1, rng)
-            with RedisBackend({"url": f"redis://writer@{server.address}/0", "password": PASSWORD}) as writer:
+            with Store(RedisBackend({"url": f"redis://writer@{server.address}/0", "password": PASSWORD})) as writer:
                 assert writer.put([key], [b"acl"]) == [True]
-            with RedisBackend({"url": f"redis://reader@{server.address}/0", "password": PASSWORD}) as reader:
+            with Store(RedisBackend({"url": f"redis://reader@{server.address}/0", "password": PASSWORD})) as reader:
                 assert reader.get([key], 3) == [b"acl"]
                 with pytest.raises(PermissionDeniedError) as info:
                     reader.put([key], [b"no!"])
@@ -466,7 +468,7 @@ class TestFailures:
     def test_killed_server_gives_typed_errors_then_reconnects(self, own_server: RedisServer, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 4, rng)
         values = [rng.randbytes(512) for _ in keys]
-        with RedisBackend({"url": own_server.url, "connect_timeout": 1, "socket_timeout": 2}) as backend:
+        with Store(RedisBackend({"url": own_server.url, "connect_timeout": 1, "socket_timeout": 2})) as backend:
             assert backend.put(keys, values) == [True] * 4
             own_server.kill()
             for call in (
@@ -487,7 +489,7 @@ class TestFailures:
     def test_frozen_server_times_out_and_never_mixes_replies(self, own_server: RedisServer, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 2, rng)
         values = [b"A" * 1024, b"B" * 1024]
-        with RedisBackend({"url": own_server.url, "socket_timeout": 0.5, "retries": 0, "max_connections": 1}) as backend:
+        with Store(RedisBackend({"url": own_server.url, "socket_timeout": 0.5, "retries": 0, "max_connections": 1})) as backend:
             assert backend.put(keys, values) == [True, True]
             own_server.freeze()
             try:
@@ -541,7 +543,7 @@ def test_concurrent_callers_survive_a_kill_and_restart(own_server: RedisServer, 
             time.sleep(0.01)
 
     config = {"url": own_server.url, "connect_timeout": 1, "socket_timeout": 2, "max_connections": 8}
-    with RedisBackend(config) as backend:
+    with Store(RedisBackend(config)) as backend:
         threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
         for thread in threads:
             thread.start()
@@ -574,13 +576,13 @@ def _error_texts(error: BaseException) -> list[str]:
 @pytest.mark.services
 class TestCluster:
     @pytest.fixture
-    def cluster_store(self, redis_cluster: RedisCluster) -> Iterator[RedisBackend]:
-        backend = RedisBackend({"url": redis_cluster.url, "cluster": True})
-        yield backend
-        backend.close()
+    def cluster_store(self, redis_cluster: RedisCluster) -> Iterator[Store]:
+        opened = Store(RedisBackend({"url": redis_cluster.url, "cluster": True}))
+        yield opened
+        opened.close()
 
     def test_batch_spanning_many_slots_comes_back_in_order(
-        self, redis_cluster: RedisCluster, cluster_store: RedisBackend, rng: random.Random
+        self, redis_cluster: RedisCluster, cluster_store: Store, rng: random.Random
     ) -> None:
         from redis.cluster import key_slot
 
@@ -597,7 +599,7 @@ class TestCluster:
         assert cluster_store.delete(mixed[:4]) == [True, False, True, False]
 
     def test_pages_spread_over_every_node_and_clear_reaches_them_all(
-        self, redis_cluster: RedisCluster, cluster_store: RedisBackend, rng: random.Random
+        self, redis_cluster: RedisCluster, cluster_store: Store, rng: random.Random
     ) -> None:
         doomed, kept = new_scope("doomed"), new_scope("kept")
         keys = random_keys(doomed, 300, rng)
@@ -615,7 +617,7 @@ class TestCluster:
     def test_startup_nodes_alone_select_cluster_mode(self, redis_cluster: RedisCluster, rng: random.Random) -> None:
         keys = random_keys(new_scope(), 20, rng)
         first, *others = redis_cluster.startup_nodes
-        with RedisBackend({"url": f"redis://{first}", "startup_nodes": others}) as backend:
+        with Store(RedisBackend({"url": f"redis://{first}", "startup_nodes": others})) as backend:
             assert backend.put(keys, [b"x"] * 20) == [True] * 20
             assert backend.exists(keys) == [True] * 20
             backend.delete(keys)
@@ -630,12 +632,12 @@ class TestCluster:
             keys = random_keys(scope, 60, rng)
             values = [rng.randbytes(200) for _ in keys]
             config = {"url": cluster.url, "cluster": True, "password": PASSWORD, "ssl_ca_certs": str(cluster.ca_path)}
-            with RedisBackend(config) as backend:
+            with Store(RedisBackend(config)) as backend:
                 assert backend.put(keys, values) == [True] * 60
                 assert backend.get(keys, 200) == values
                 backend.clear(scope.namespace)
                 assert backend.exists(keys) == [False] * 60
-                assert PASSWORD not in repr(backend)
+                assert PASSWORD not in repr(backend) and PASSWORD not in repr(backend.top)
             wrong = f"rediss://:wrong-password@{cluster.nodes[0].address}"
             for url in (wrong, cluster.url):
                 with pytest.raises(AuthenticationError) as info:
@@ -653,7 +655,7 @@ class TestCluster:
         cluster = RedisCluster(nodes=3)
         cluster.start()
         try:
-            with RedisBackend({"url": cluster.url, "cluster": True}) as backend:
+            with Store(RedisBackend({"url": cluster.url, "cluster": True})) as backend:
                 [key] = random_keys(new_scope(), 1, rng)
                 name = f"hicache:{key.render(':')}"
                 slot = key_slot(name.encode())
@@ -680,7 +682,7 @@ class TestCluster:
             keys = random_keys(new_scope(), 90, rng)
             values = [rng.randbytes(100) for _ in keys]
             config = {"url": cluster.url, "cluster": True, "socket_timeout": 0.5, "retries": 1}
-            with RedisBackend(config) as backend:
+            with Store(RedisBackend(config)) as backend:
                 assert backend.put(keys, values) == [True] * 90
                 timeouts = _count_timeouts(monkeypatch)
                 cluster.freeze(1)
@@ -701,7 +703,7 @@ class TestCluster:
         try:
             keys = random_keys(new_scope(), 60, rng)
             values = [rng.randbytes(100) for _ in keys]
-            with RedisBackend({"url": cluster.url, "cluster": True, "connect_timeout": 1, "socket_timeout": 2}) as backend:
+            with Store(RedisBackend({"url": cluster.url, "cluster": True, "connect_timeout": 1, "socket_timeout": 2})) as backend:
                 assert backend.put(keys, values) == [True] * 60
                 cluster.kill(1)
                 with pytest.raises(BackendUnavailableError):

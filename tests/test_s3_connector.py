@@ -32,6 +32,7 @@ from hicache_storage import (
     StorageError,
     StorageTimeoutError,
     ThrottledError,
+    Store,
     create_backend,
 )
 from hicache_storage.conformance import ConformanceTests
@@ -62,7 +63,7 @@ def s3_config(server, **overrides) -> dict:
 
 @pytest.fixture
 def s3(seaweedfs) -> Iterator[object]:
-    store = create_backend("s3", s3_config(seaweedfs))
+    store = Store(create_backend("s3", s3_config(seaweedfs)))
     yield store
     store.close()
 
@@ -78,7 +79,7 @@ def page_hash(i: int) -> str:
 
 def raw_get(server, store, key) -> bytes:
     """The stored object read with a separate boto3 client: an oracle independent of the connector."""
-    response = server.client().get_object(Bucket=server.bucket, Key=store.config.prefix + key.render("/"))
+    response = server.client().get_object(Bucket=server.bucket, Key=store.top.config.prefix + key.render("/"))
     return response["Body"].read()
 
 
@@ -95,7 +96,7 @@ def test_round_trip_is_exact_and_readable_by_plain_boto3(s3, seaweedfs, scope):
 
 
 def test_objects_are_named_prefix_slash_rendered_key(seaweedfs, scope):
-    store = create_backend("s3", s3_config(seaweedfs, prefix="/no-trailing-slash"))
+    store = Store(create_backend("s3", s3_config(seaweedfs, prefix="/no-trailing-slash")))
     try:
         key = scope.key(page_hash(11))
         assert store.put([key], [b"named"]) == [True]
@@ -117,7 +118,7 @@ def test_reads_stream_into_multi_segment_targets(s3, scope):
 
 
 def test_multipart_upload_for_pages_above_the_threshold(seaweedfs, scope):
-    store = create_backend("s3", s3_config(seaweedfs, multipart_threshold=5 * MiB, multipart_part_size=5 * MiB))
+    store = Store(create_backend("s3", s3_config(seaweedfs, multipart_threshold=5 * MiB, multipart_part_size=5 * MiB)))
     try:
         key = scope.key(page_hash(2))
         value = os.urandom(12 * MiB + 17)
@@ -125,7 +126,7 @@ def test_multipart_upload_for_pages_above_the_threshold(seaweedfs, scope):
         segments = [value[: 3 * MiB], value[3 * MiB : 9 * MiB + 5], value[9 * MiB + 5 :]]
         assert store.put_from([key], [segments]) == [True]
         head = seaweedfs.client().head_object(
-            Bucket=seaweedfs.bucket, Key=store.config.prefix + key.render("/"), ChecksumMode="ENABLED"
+            Bucket=seaweedfs.bucket, Key=store.top.config.prefix + key.render("/"), ChecksumMode="ENABLED"
         )
         assert head["ETag"].endswith('-3"'), "a 12 MiB page in 5 MiB parts is a three-part upload"
         assert head["ChecksumCRC32"] == base64.b64encode(zlib.crc32(value).to_bytes(4, "big")).decode()
@@ -142,20 +143,20 @@ def test_small_pages_are_single_puts_with_a_checksum_the_store_verified(s3, seaw
     value = os.urandom(100_000)
     assert s3.put([key], [value]) == [True]
     head = seaweedfs.client().head_object(
-        Bucket=seaweedfs.bucket, Key=s3.config.prefix + key.render("/"), ChecksumMode="ENABLED"
+        Bucket=seaweedfs.bucket, Key=s3.top.config.prefix + key.render("/"), ChecksumMode="ENABLED"
     )
     assert "-" not in head["ETag"]
     assert head["ChecksumCRC32"] == base64.b64encode(zlib.crc32(value).to_bytes(4, "big")).decode()
 
 
 def test_checksums_can_be_turned_off(seaweedfs, scope):
-    store = create_backend("s3", s3_config(seaweedfs, checksum_algorithm=None))
+    store = Store(create_backend("s3", s3_config(seaweedfs, checksum_algorithm=None)))
     try:
         key = scope.key(page_hash(4))
         value = os.urandom(10_000)
         assert store.put([key], [value]) == [True]
         head = seaweedfs.client().head_object(
-            Bucket=seaweedfs.bucket, Key=store.config.prefix + key.render("/"), ChecksumMode="ENABLED"
+            Bucket=seaweedfs.bucket, Key=store.top.config.prefix + key.render("/"), ChecksumMode="ENABLED"
         )
         assert "ChecksumCRC32" not in head
         assert store.get([key], 10_000) == [value]
@@ -170,7 +171,7 @@ def test_crc32c_needs_awscrt(seaweedfs, scope):
         with pytest.raises(MissingDependencyError, match="awscrt"):
             create_backend("s3", s3_config(seaweedfs, checksum_algorithm="CRC32C"))
         return
-    store = create_backend("s3", s3_config(seaweedfs, checksum_algorithm="CRC32C"))
+    store = Store(create_backend("s3", s3_config(seaweedfs, checksum_algorithm="CRC32C")))
     try:
         key = scope.key(page_hash(5))
         assert store.put([key], [b"x" * 5000]) == [True]
@@ -188,9 +189,9 @@ def test_a_checksum_mismatch_is_a_miss(s3, scope):
         if "ChecksumCRC32" in parsed:
             parsed["ChecksumCRC32"] = base64.b64encode(b"\x00\x00\x00\x01").decode()
 
-    s3._client.meta.events.register("after-call.s3.GetObject", corrupt_checksum)
+    s3.top._client.meta.events.register("after-call.s3.GetObject", corrupt_checksum)
     assert s3.get([key], 4096) == [None]
-    s3._client.meta.events.unregister("after-call.s3.GetObject", corrupt_checksum)
+    s3.top._client.meta.events.unregister("after-call.s3.GetObject", corrupt_checksum)
     assert s3.get([key], 4096) == [b"\x07" * 4096]
 
 
@@ -229,7 +230,7 @@ def test_clear_removes_one_namespace_across_many_delete_calls(s3, seaweedfs, sco
     other = KeyScope(Namespace(model="s3-test-other", kv_dtype="bfloat16", page_size=64)).key(page_hash(1))
     assert s3.put(mine + [other], [b"c" * 50] * 12) == [True] * 12
     # the same namespace under another prefix belongs to another deployment: untouched
-    neighbour = create_backend("s3", s3_config(seaweedfs))
+    neighbour = Store(create_backend("s3", s3_config(seaweedfs)))
     try:
         assert neighbour.put([mine[0]], [b"n" * 50]) == [True]
         s3.clear(scope.namespace)
@@ -250,7 +251,7 @@ def test_credentials_from_the_aws_environment(seaweedfs, scope, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
     config = s3_config(seaweedfs)
     del config["access_key_id"], config["secret_access_key"]
-    store = create_backend("s3", config)
+    store = Store(create_backend("s3", config))
     try:
         key = scope.key(page_hash(8))
         assert store.put([key], [b"env" * 10]) == [True]
@@ -304,9 +305,10 @@ def test_session_token_and_secret_stay_out_of_botocore_debug_logs(seaweedfs, cap
 
 def test_secret_never_in_repr_str_or_config_errors(s3, seaweedfs):
     secret = seaweedfs.secret_key
-    assert secret not in repr(s3)
-    assert secret not in str(s3.config) and secret not in repr(s3.config)
-    assert secret not in str(s3.config.public_dict())
+    connector = s3.top
+    assert secret not in repr(s3) and secret not in repr(connector)
+    assert secret not in str(connector.config) and secret not in repr(connector.config)
+    assert secret not in str(connector.config.public_dict())
     with pytest.raises(ConfigError) as caught:  # a secret without its access key id
         create_backend("s3", {"bucket": "bucket", "secret_access_key": secret})
     assert "access_key_id" in str(caught.value) and secret not in str(caught.value)
@@ -342,7 +344,7 @@ def test_error_mapping(s3, scope, code, status, error):
     """Errors SeaweedFS cannot be made to send on demand, injected with botocore's Stubber."""
     from botocore.stub import Stubber
 
-    with Stubber(s3._client) as stubber:
+    with Stubber(s3.top._client) as stubber:
         stubber.add_client_error("get_object", service_error_code=code, http_status_code=status)
         with pytest.raises(error) as caught:
             s3.get([scope.key(page_hash(9))], 10)
@@ -364,7 +366,7 @@ def test_error_mapping(s3, scope, code, status, error):
 def test_every_refusal_says_whether_trying_again_can_help(s3, scope, code, http, status):
     from botocore.stub import Stubber
 
-    with Stubber(s3._client) as stubber:
+    with Stubber(s3.top._client) as stubber:
         stubber.add_client_error("get_object", service_error_code=code, http_status_code=http)
         with pytest.raises(StorageError) as caught:
             s3.get([scope.key(page_hash(9))], 10)
@@ -372,7 +374,7 @@ def test_every_refusal_says_whether_trying_again_can_help(s3, scope, code, http,
 
 
 def test_connection_refused_is_temporary(seaweedfs, scope):
-    store = UncheckedS3(s3_config(seaweedfs, endpoint_url=f"http://127.0.0.1:{free_port()}", connect_timeout=1))
+    store = Store(UncheckedS3(s3_config(seaweedfs, endpoint_url=f"http://127.0.0.1:{free_port()}", connect_timeout=1)))
     try:
         with pytest.raises(BackendUnavailableError) as caught:
             store.exists([scope.key(page_hash(1))])
@@ -411,7 +413,7 @@ def own_seaweedfs() -> Iterator[object]:
 @pytest.mark.slow
 def test_tls_with_the_servers_ca_bundle(own_seaweedfs, scope):
     https = own_seaweedfs.https_endpoint_url
-    store = create_backend("s3", s3_config(own_seaweedfs, endpoint_url=https, verify=str(own_seaweedfs.ca_bundle)))
+    store = Store(create_backend("s3", s3_config(own_seaweedfs, endpoint_url=https, verify=str(own_seaweedfs.ca_bundle))))
     try:
         key = scope.key(page_hash(1))
         assert store.put([key], [b"tls" * 100]) == [True]
@@ -424,7 +426,7 @@ def test_tls_with_the_servers_ca_bundle(own_seaweedfs, scope):
 
 @pytest.mark.slow
 def test_kill_and_restart(own_seaweedfs, scope):
-    store = create_backend("s3", s3_config(own_seaweedfs))
+    store = Store(create_backend("s3", s3_config(own_seaweedfs)))
     try:
         keys = scope.keys([page_hash(i) for i in range(6)])
         values = [os.urandom(32 * 1024) for _ in keys]
@@ -453,7 +455,7 @@ def test_kill_and_restart(own_seaweedfs, scope):
 
 @pytest.mark.slow
 def test_frozen_server_times_out_then_recovers(own_seaweedfs, scope):
-    store = create_backend("s3", s3_config(own_seaweedfs, read_timeout=1, connect_timeout=1))
+    store = Store(create_backend("s3", s3_config(own_seaweedfs, read_timeout=1, connect_timeout=1)))
     try:
         key = scope.key(page_hash(1))
         assert store.put([key], [b"f" * 1000]) == [True]

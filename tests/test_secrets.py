@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_storage import AuthenticationError, KeyScope, Namespace, create_backend
+from hicache_storage import AuthenticationError, KeyScope, Namespace, Store, create_backend
 from hicache_storage.testing.redis_server import RedisServer
 
 RIGHT = "s3cr3t-Right-7a1f"
@@ -96,15 +96,17 @@ def test_secrets_stay_out_of_everything(request, tmp_path, caplog, label):
         secrets.append(request.getfixturevalue("seaweedfs").secret_key)  # the real secret stands in for RIGHT
 
     captured: list[tuple[str, str]] = []
-    with create_backend(name, right_config) as store:
+    with Store(create_backend(name, right_config)) as store:
         key = SCOPE.key("ab" * 32)
         assert store.put([key], [b"x" * 4096]) == [True]
         assert store.get([key], 4096) == [b"x" * 4096]
-        captured += [("repr", repr(store)), ("str(config)", str(store.config)), ("repr(config)", repr(store.config))]
-        captured += [("public_dict", json.dumps(store.config.public_dict())), ("stats", json.dumps(store.stats()))]
+        connector = store.top
+        captured += [("repr", repr(store)), ("repr(connector)", repr(connector))]
+        captured += [("str(config)", str(connector.config)), ("repr(config)", repr(connector.config))]
+        captured += [("public_dict", json.dumps(connector.config.public_dict())), ("stats", json.dumps(store.stats()))]
 
     with pytest.raises(AuthenticationError) as info:
-        with create_backend(name, make(WRONG)) as refused:
+        with Store(create_backend(name, make(WRONG))) as refused:
             refused.put([SCOPE.key("cd" * 32)], [b"y" * 4096])
     captured.append(("exception chain", "".join(traceback.format_exception(info.value))))
     captured.append(("exception repr", repr(info.value)))
