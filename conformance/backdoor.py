@@ -139,10 +139,12 @@ class RedisBackdoor:
                 host, _, port = node.rpartition(":")
                 nodes.append(ClusterNode(host, int(port)))
             self._client = RedisCluster(startup_nodes=nodes, **options)
-        elif endpoint.scheme == "unix":
-            self._client = redis.Redis(unix_socket_path=endpoint.path, db=endpoint.db, **options)
         else:
-            self._client = redis.Redis(host=endpoint.host, port=endpoint.port, db=endpoint.db, **options)
+            if endpoint.scheme == "unix":
+                options["unix_socket_path"] = endpoint.path
+            else:
+                options["host"], options["port"] = endpoint.host, endpoint.port
+            self._client = redis.Redis(db=endpoint.db, **options)
         self._prefix = config.prefix
         self._ttl = config.ttl_seconds
 
