@@ -72,6 +72,7 @@ class FsspecConfig(BackendConfig):
 class FsspecBackend(PerKeyConnector):
     name = "fsspec"
     Config = FsspecConfig
+    config: FsspecConfig
     capabilities = Capabilities(delete=True, clear=True)
 
     def __init__(self, config: FsspecConfig | dict | str | None = None) -> None:

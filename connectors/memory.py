@@ -47,6 +47,7 @@ _SHARED_LOCK = threading.Lock()
 class MemoryBackend(Connector):
     name = "memory"
     Config = MemoryConfig
+    config: MemoryConfig
     capabilities = Capabilities(native_batch_exists=True, delete=True, clear=True)
 
     def __init__(self, config: MemoryConfig | dict | str | None = None) -> None:
@@ -83,7 +84,7 @@ class MemoryBackend(Connector):
         results = []
         for value, target in zip(values, targets):
             hit = value is not None and len(value) == segments_size(target)
-            if hit:
+            if value is not None and hit:
                 fill_segments(target, value)
             results.append(hit)
         return results

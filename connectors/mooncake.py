@@ -197,6 +197,7 @@ class MooncakeBackend(Connector):
 
     name = "mooncake"
     Config = MooncakeConfig
+    config: MooncakeConfig
     capabilities = Capabilities(
         zero_copy_read=True,
         native_batch_exists=True,

@@ -113,6 +113,7 @@ class S3Config(BackendConfig):
 class S3Backend(PerKeyConnector):
     name = "s3"
     Config = S3Config
+    config: S3Config
     capabilities = Capabilities(
         zero_copy_write=True,
         bounded_calls=True,  # botocore's connect_timeout and read_timeout (always set) bound every call
@@ -237,12 +238,13 @@ class S3Backend(PerKeyConnector):
             _stream_into(body, target)
         finally:
             body.close()
-        expected = response.get(f"Checksum{algorithm}") if algorithm else None
-        # A multipart object stored with a composite checksum ("<crc>-<parts>") cannot be checked
-        # against the whole value; the length check above still applies.
-        if expected and "-" not in expected and expected != _checksum(algorithm, target):
-            log.warning("s3: checksum mismatch for %s; treating it as a miss", key)
-            return False
+        if algorithm:
+            expected = response.get(f"Checksum{algorithm}")
+            # A multipart object stored with a composite checksum ("<crc>-<parts>") cannot be
+            # checked against the whole value; the length check above still applies.
+            if expected and "-" not in expected and expected != _checksum(algorithm, target):
+                log.warning("s3: checksum mismatch for %s; treating it as a miss", key)
+                return False
         return True
 
     def _put_one(self, key: PageKey, source: Segments) -> bool:
@@ -465,9 +467,15 @@ _DENIED = frozenset({"AccessDenied", "403", "AllAccessDisabled"})
 _PASSING = _THROTTLED | {"InternalError", "ServiceUnavailable", "RequestTimeout", "OperationAborted", "500", "503"}
 
 
-def _error_code(exc: BaseException) -> str | None:
+def _error_response(exc: BaseException) -> dict[str, Any] | None:
+    """The parsed response an exception carries (a botocore ``ClientError``'s), else ``None``."""
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
+    return response if isinstance(response, dict) else None
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response = _error_response(exc)
+    if response is not None:
         return str(response.get("Error", {}).get("Code", "")) or None
     return None
 
@@ -480,9 +488,10 @@ def _translate(exc: BaseException, endpoint: str, bucket: str) -> StorageError |
     from botocore import exceptions as bce
 
     code = _error_code(exc)
+    response = _error_response(exc) or {}  # a dict wherever there is a code
     if code is not None:
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")  # type: ignore[attr-defined]
-        detail = exc.response.get("Error", {}).get("Message") or ""  # type: ignore[attr-defined]
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        detail = response.get("Error", {}).get("Message") or ""
         said = f"{code}{': ' + detail if detail else ''}"
         if code in ("NoSuchBucket",) or (code == "404" and getattr(exc, "operation_name", "") == "HeadBucket"):
             return ConfigError(

@@ -9,6 +9,7 @@ delete, and so on).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Capabilities:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Capabilities.{name} must be a positive integer or None, got {value!r}")
 
-    def replace(self, **changes: object) -> Capabilities:
+    def replace(self, **changes: Any) -> Capabilities:
         return replace(self, **changes)
 
     def as_dict(self) -> dict[str, object]:

@@ -137,14 +137,14 @@ def _usable(option: str, parse: Callable[[str], T], text: str) -> T:
 def layer_option(args: argparse.Namespace) -> str | None:
     """``--layers``, or ``--wrappers`` (its old name: one line on stderr says so); both is a usage error."""
     if args.old_layers is None:
-        return args.layers  # type: ignore[no-any-return]
+        return args.layers
     if args.layers is not None:
         raise UsageError("--wrappers is the old name of --layers: give --layers only")
     from hicache_storage.deprecation import renamed_message
 
     print(f"hicache-storage: {renamed_message('--wrappers', '--layers')}", file=sys.stderr)
     args.layers = args.old_layers
-    return args.layers  # type: ignore[no-any-return]
+    return args.layers
 
 
 def run_bench_io(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ Semantics every connector keeps (the conformance suite checks them):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from hicache_storage.buffers import Segments
@@ -66,7 +66,7 @@ class Level(ABC):
     #: The level below; ``None`` for a connector.
     inner: Level | None = None
 
-    def __init__(self, config: BackendConfig | dict[str, Any] | str | None = None) -> None:
+    def __init__(self, config: BackendConfig | Mapping[str, Any] | str | None = None) -> None:
         self.config = self.Config.parse(config, backend=self.name)
         self._closed = False
         self._event_counts = EventCounters(self.extra_stats)

@@ -282,8 +282,8 @@ class MultiPoolStore:
                 return PoolCuts(held, (), hits)
             first = max(0, held - spec.trailing_pages)
             asked = hashes[first:limit]
-            found = self._ask(spec, degrade, len(asked), lambda: self.store.exists(self.keys(spec.name, asked)))
-            own = spec.accepted_cuts([False] * first + (found or [False] * len(asked)))
+            present = self._ask(spec, degrade, len(asked), lambda: self.store.exists(self.keys(spec.name, asked)))
+            own = spec.accepted_cuts([False] * first + (present or [False] * len(asked)))
             if limit == bound:
                 hits[spec.name] = max(c for c in range(held, limit + 1) if c == held or own[c])
             accepted = [a and b for a, b in zip(accepted, own)]

@@ -237,7 +237,8 @@ class HiCacheStorageAdapter(HiCacheStorage):
         #: The store's health (see :mod:`hicache_storage.health`): consecutive timeouts or temporary
         #: errors stop data calls until a probe answers.
         try:
-            breaker_config = BreakerConfig(**self.config.breaker)
+            options: dict[str, Any] = dict(self.config.breaker)  # checked by BreakerConfig itself
+            breaker_config = BreakerConfig(**options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"bad 'breaker' in the extra config ({exc}); its keys are failures_to_open, probe_backoff_s, probe_backoff_max_s",

@@ -59,6 +59,7 @@ class SGLangConnector(Connector):
     """Base of the ``sglang:NAME`` classes made by :func:`sglang_backend_class`."""
 
     Config = SGLangBackendConfig
+    config: SGLangBackendConfig
     #: The backend's name in SGLang's ``StorageBackendFactory``.
     sglang_name: ClassVar[str] = ""
 

@@ -29,7 +29,7 @@ first put) is seen at once, through every layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hicache_storage.batching import write_last_positions
@@ -123,7 +123,9 @@ class Store:
     def exists(self, keys: Sequence[PageKey]) -> list[bool]:
         """Whether each key holds a complete page (one result per key, in order)."""
         keys = self._prepare_keys(keys, "exists")
-        return self.counters.observe("exists", len(keys), lambda: self._run_batches("exists", keys, None))
+        return self.counters.observe(
+            "exists", len(keys), lambda: self._run_batches(len(keys), lambda a, b: self.top.hook_exists(keys[a:b]))
+        )
 
     def prefix_exists(self, keys: Sequence[PageKey]) -> int:
         """How many keys, from the first, exist without a gap (SGLang's ``batch_exists``).
@@ -146,7 +148,12 @@ class Store:
         """Read each key's page into the caller's buffer(s); ``True`` where the target now holds it."""
         keys = self._prepare_keys(keys, "get")
         views = self._prepare_buffers(keys, targets, "get", writable=True)
-        return self.counters.observe("get", len(keys), lambda: self._run_batches("get", keys, views), _bytes_moved(views))
+        return self.counters.observe(
+            "get",
+            len(keys),
+            lambda: self._run_batches(len(keys), lambda a, b: self.top.hook_get_into(keys[a:b], views[a:b])),
+            _bytes_moved(views),
+        )
 
     def put_from(self, keys: Sequence[PageKey], sources: Sequence[BufferLike | Sequence[BufferLike]]) -> list[bool]:
         """Store each page from the caller's buffer(s); ``True`` where it is now stored.
@@ -176,7 +183,9 @@ class Store:
         """Remove each key; ``True`` where a page was removed, ``False`` where there was none."""
         self._require("delete")
         keys = self._prepare_keys(keys, "delete")
-        return self.counters.observe("delete", len(keys), lambda: self._run_batches("delete", keys, None))
+        return self.counters.observe(
+            "delete", len(keys), lambda: self._run_batches(len(keys), lambda a, b: self.top.hook_delete(keys[a:b]))
+        )
 
     def clear(self, namespace: Namespace) -> None:
         """Remove every page of ``namespace`` (all shards and parts); other namespaces are untouched."""
@@ -266,22 +275,14 @@ class Store:
             )
         return [as_segments(buffer, writable=writable) for buffer in buffers]
 
-    def _hook(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
-        if operation == "exists":
-            return self.top.hook_exists(keys)
-        if operation == "get":
-            return self.top.hook_get_into(keys, buffers)  # type: ignore[arg-type]
-        if operation == "put":
-            return self.top.hook_put_from(keys, buffers)  # type: ignore[arg-type]
-        return self.top.hook_delete(keys)
-
-    def _run_batches(self, operation: str, keys: list[PageKey], buffers: list[Segments] | None) -> list[bool]:
-        # An empty batch runs no chunk: the stack never sees a call with no keys.
-        step = self.capabilities.max_batch or len(keys) or 1
+    def _run_batches(self, count: int, call: Callable[[int, int], list[bool]]) -> list[bool]:
+        """``call(start, stop)`` over the positions ``[0, count)`` of a batch, in chunks of
+        ``max_batch``; the results in order. An empty batch runs no chunk: the stack never sees a
+        call with no keys."""
+        step = self.capabilities.max_batch or count or 1
         results: list[bool] = []
-        for start in range(0, len(keys), step):
-            chunk = None if buffers is None else buffers[start : start + step]
-            results.extend(self._hook(operation, keys[start : start + step], chunk))
+        for start in range(0, count, step):
+            results.extend(call(start, start + step))
         return results
 
     def _put_batches(self, keys: list[PageKey], sources: list[Segments]) -> list[bool]:

@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,7 +131,7 @@ def _time_case(
     layers = device_kv.shape[1]
     row_bytes = device_kv[0, 0, 0].numel() * device_kv.element_size()
     layer_bytes = device_kv.shape[0] * device_idx.numel() * row_bytes
-    args = dict(device_indices=device_idx, host_indices=host_idx, layout=layout, page_size=page_size, backend="torch")
+    args: dict[str, Any] = dict(device_indices=device_idx, host_indices=host_idx, layout=layout, page_size=page_size, backend="torch")
 
     def load() -> None:
         for layer in range(layers):

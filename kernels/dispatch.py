@@ -34,6 +34,7 @@ import operator
 import os
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -104,11 +105,11 @@ def load_layer(
     ``InvalidArgumentError`` before anything is written.
     """
     def triton(kernels: ModuleType, geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
-        number = operator.index(layer)  # type: ignore[arg-type]  # validated by _transfer first
+        number = operator.index(layer)  # validated by _transfer first
         kernels.load_layer(device_kv, host_kv, geometry, layer=number, device_indices=device_idx, host_indices=host_idx)
 
     def stock(geometry: TransferGeometry, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
-        number = operator.index(layer)  # type: ignore[arg-type]
+        number = operator.index(layer)
         torch_transfer.load_layer(device_kv, host_kv, geometry, layer=number, device_indices=device_idx, host_indices=host_idx)
 
     return _transfer(device_kv, host_kv, device_indices, host_indices, layout, page_size, backend, triton, stock, layer)
@@ -191,7 +192,7 @@ def _transfer(
     return name
 
 
-def _layer_number(layer: object, layers: int) -> int:
+def _layer_number(layer: Any, layers: int) -> int:
     try:
         number = operator.index(layer)  # accepts numpy and 0-d integer tensors, not floats or bools
     except TypeError:

@@ -180,6 +180,7 @@ class FileBackend(Connector):
 
     name = "file"
     Config = FileConfig
+    config: FileConfig
     capabilities = Capabilities(
         zero_copy_read=True,
         zero_copy_write=True,
@@ -244,10 +245,11 @@ class FileBackend(Connector):
         for i, (_, rel) in enumerate(located):
             last[rel] = i
         writes = list(last.items())
+        index = self._index
         reservation: Reservation | None = None
-        if self._index is not None:
+        if index is not None:
             with self._lock:
-                admitted, reservation = self._index.admit([(rel, segments_size(sources[i])) for rel, i in writes])
+                admitted, reservation = index.admit([(rel, segments_size(sources[i])) for rel, i in writes])
                 self._counters["puts_beyond_capacity"] += len(writes) - admitted
             writes = writes[:admitted]
         stored: list[str] = []
@@ -257,9 +259,9 @@ class FileBackend(Connector):
             )
             stored = [rel for (rel, _), outcome in zip(writes, outcomes) if outcome == STORED]
         finally:
-            if reservation is not None:
+            if index is not None and reservation is not None:
                 with self._lock:
-                    self._index.settle(reservation, stored)
+                    index.settle(reservation, stored)
         refused = outcomes.count(NO_SPACE)
         if refused:
             logger.warning(

@@ -103,6 +103,7 @@ class HF3FSBackend(Connector):
 
     name = "hf3fs"
     Config = HF3FSConfig
+    config: HF3FSConfig
     capabilities = Capabilities(native_batch_exists=True, delete=True, clear=True, evicts=True)
 
     def __init__(self, config: HF3FSConfig | dict | str | None = None) -> None:
@@ -142,17 +143,17 @@ class HF3FSBackend(Connector):
                 field="page_size_bytes",
                 backend=self.name,
             )
-        if use_usrbio and page_size is None:
+        if page_size is not None:
+            self._set_page_size(page_size)
+        self._files: PosixFiles
+        if not use_usrbio:
+            self._files = PosixFiles(self._root, cfg.numjobs, cfg.file_size)
+        elif page_size is not None:
+            self._files = UsrbioFiles(self._root, cfg.numjobs, cfg.file_size, _aligned(page_size), cfg.usrbio_entries, cfg.usrbio_timeout_s)
+        else:
             raise ConfigError(
                 "the usrbio path needs page_size_bytes to size its buffers", field="page_size_bytes", backend=self.name
             )
-        if page_size is not None:
-            self._set_page_size(page_size)
-        self._files = (
-            UsrbioFiles(self._root, cfg.numjobs, cfg.file_size, _aligned(page_size), cfg.usrbio_entries, cfg.usrbio_timeout_s)
-            if use_usrbio
-            else PosixFiles(self._root, cfg.numjobs, cfg.file_size)
-        )
         self._files.create(cfg.rank)
         self.capabilities = self.capabilities.replace(zero_copy_read=self._files.zero_copy, zero_copy_write=self._files.zero_copy)
         self._pool = ThreadPoolExecutor(max_workers=cfg.numjobs, thread_name_prefix="hf3fs-io")

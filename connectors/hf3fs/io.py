@@ -121,6 +121,8 @@ class UsrbioFiles(PosixFiles):
         binding (``OSError``, ``RuntimeError``, ``TimeoutError``) propagate.
         """
         shm, iov, ring, lock = self._rings[for_read]
+        buffer = shm.buf
+        assert buffer is not None  # None only once closed, and close() drops the rings first
         results = []
         for start in range(0, len(items), self.entries):
             chunk = items[start : start + self.entries]
@@ -131,14 +133,14 @@ class UsrbioFiles(PosixFiles):
                     starts.append(position)
                     size = segments_size(segments)
                     if not for_read:
-                        _copy_into(shm.buf, position, segments)
+                        _copy_into(buffer, position, segments)
                     ring.prepare(iov[position : position + size], for_read, self.fd(loc.rank, loc.file), loc.offset)
                     position += size
                 done = ring.submit().wait(min_results=len(chunk), timeout=self._timeout)
                 for (loc, segments), start, result in zip(chunk, starts, done):
                     ok = result.result == segments_size(segments)
                     if for_read and ok:
-                        _copy_out(shm.buf, start, segments)
+                        _copy_out(buffer, start, segments)
                     results.append(ok)
         return results
 

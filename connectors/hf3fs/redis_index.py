@@ -111,7 +111,9 @@ class RedisSlotIndex:
     def fix_page_size(self, size: int) -> int:
         """The shared slot size: ``size`` unless some instance fixed one before, which then wins."""
         self.client.set(self.prefix + "page_size", size, nx=True)
-        self.page_size = int(self.client.get(self.prefix + "page_size"))
+        stored = self.client.get(self.prefix + "page_size")
+        # None only if the key vanished between the two calls (the index flushed): ours stands.
+        self.page_size = int(stored) if stored is not None else size
         return self.page_size
 
     def lookup(self, names: list[str]) -> list[Location | None]:
@@ -186,6 +188,7 @@ def typed_redis_error(exc: BaseException, where: str, operation: str) -> Storage
     import redis
 
     what = f"the hf3fs slot index in Redis at {where}"
+    kind: type[StorageError]
     if isinstance(exc, redis.AuthenticationError):  # a subclass of ConnectionError: test it first
         kind, message = AuthenticationError, f"{what} rejected the credentials in metadata_url"
     elif isinstance(exc, redis.exceptions.NoPermissionError):

@@ -67,6 +67,7 @@ class RedisBackend(Connector):
 
     name = "redis"
     Config = RedisConfig
+    config: RedisConfig
     capabilities = Capabilities(
         native_batch_exists=True,
         bounded_calls=True,  # socket_timeout and connect_timeout (always set) bound every call

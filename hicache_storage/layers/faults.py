@@ -58,7 +58,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 
@@ -85,7 +85,7 @@ from hicache_storage.errors import (
     ValueTooLargeError,
 )
 from hicache_storage.keys import Namespace, PageKey
-from hicache_storage.layers.base import OPERATIONS, Layer
+from hicache_storage.layers.base import OPERATIONS, Layer, Operation
 
 #: The errors a fault can raise, by the name used in ``errors``.
 ERROR_KINDS: dict[str, type[Exception]] = {
@@ -113,7 +113,7 @@ _PAGE_FAULTS = {
     "truncate_write_rate": ("put",),
     "vanish_rate": ("exists",),
 }
-_Rate = pydantic.confloat(ge=0.0, le=1.0)
+_Rate = Annotated[float, pydantic.Field(ge=0.0, le=1.0)]
 
 
 class FaultSpec(pydantic.BaseModel):
@@ -121,18 +121,18 @@ class FaultSpec(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    error_rate: _Rate = 0.0  # type: ignore[valid-type]
+    error_rate: _Rate = 0.0
     errors: list[str] = pydantic.Field(default_factory=lambda: ["unavailable"], min_length=1)
-    latency_rate: _Rate = 0.0  # type: ignore[valid-type]
+    latency_rate: _Rate = 0.0
     latency_seconds: float = pydantic.Field(0.0, ge=0.0)
-    hang_rate: _Rate = 0.0  # type: ignore[valid-type]
+    hang_rate: _Rate = 0.0
     hang_seconds: float | None = pydantic.Field(None, gt=0.0)
-    wrong_count_rate: _Rate = 0.0  # type: ignore[valid-type]
-    corrupt_rate: _Rate = 0.0  # type: ignore[valid-type]
+    wrong_count_rate: _Rate = 0.0
+    corrupt_rate: _Rate = 0.0
     corrupt_bytes: int = pydantic.Field(1, ge=1)
-    short_read_rate: _Rate = 0.0  # type: ignore[valid-type]
-    truncate_write_rate: _Rate = 0.0  # type: ignore[valid-type]
-    vanish_rate: _Rate = 0.0  # type: ignore[valid-type]
+    short_read_rate: _Rate = 0.0
+    truncate_write_rate: _Rate = 0.0
+    vanish_rate: _Rate = 0.0
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -347,7 +347,7 @@ class FaultInjectionLayer(Layer):
 
     # --- deciding and applying ----------------------------------------------------------------
 
-    def _fate(self, operation: str, pages: int) -> _Fate:
+    def _fate(self, operation: Operation, pages: int) -> _Fate:
         if not self._enabled:
             return _UNHARMED
         with self._calls_lock:
@@ -371,7 +371,7 @@ class FaultInjectionLayer(Layer):
         vanishing = {page for page in range(pages) if rng.random() < spec.vanish_rate} if spec.vanish_rate else set()
         return _Fate(call, hang, error, latency, wrong_count, short_cuts, corruptions, vanishing)
 
-    def _suffer(self, operation: str, pages: int) -> _Fate:
+    def _suffer(self, operation: Operation, pages: int) -> _Fate:
         """Decide this call's fate and apply what happens before the store is asked."""
         fate = self._fate(operation, pages)
         spec: FaultSpec = getattr(self.config, operation)

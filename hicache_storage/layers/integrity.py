@@ -213,11 +213,11 @@ class IntegrityLayer(Layer):
         if not self.config.verify_exists:
             return results
         sizes = [self._page_sizes.get(key.scope) for key in keys]
-        checkable = [i for i, (hit, size) in enumerate(zip(results, sizes)) if hit and size is not None]
+        checkable = [(i, size) for i, (hit, size) in enumerate(zip(results, sizes)) if hit and size is not None]
         if checkable:
-            scratch: list[Segments] = [[memoryview(bytearray(sizes[i]))] for i in checkable]  # type: ignore[arg-type]
-            verified = self._get_into([keys[i] for i in checkable], scratch)
-            for i, ok in zip(checkable, verified):
+            scratch: list[Segments] = [[memoryview(bytearray(size))] for _, size in checkable]
+            verified = self._get_into([keys[i] for i, _ in checkable], scratch)
+            for (i, _), ok in zip(checkable, verified):
                 results[i] = ok
         return results
 

@@ -393,7 +393,7 @@ class TimeoutLayer(Layer):
             if job.error is not None:
                 error, job.error = job.error, None  # drop the job's reference: no traceback cycle
                 raise error
-            return job.result  # type: ignore[no-any-return]
+            return job.result
         self._count(timeouts=1)
         if phase is _Phase.QUEUED:
             del job.fn  # it will never run: the worker that finds it skips it

@@ -144,7 +144,12 @@ class ServerProcess:
         return self.process.pid if self.process is not None else None
 
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.live_process() is not None
+
+    def live_process(self) -> subprocess.Popen[bytes] | None:
+        """The server's process while it runs; None before a start and once it exited."""
+        process = self.process
+        return process if process is not None and process.poll() is None else None
 
     def listens_on(self, *ports: int) -> bool:
         """Whether this server's own process listens on every one of ``ports``.
@@ -153,9 +158,10 @@ class ServerProcess:
         binding it, another process (a client's transfer engine, another server) can take it, and
         a connect to that port then succeeds while our server failed to bind (Linux ``/proc``).
         """
-        if not self.running():
+        process = self.live_process()
+        if process is None:
             return False
-        return set(ports) <= _listening_ports(self.process.pid)
+        return set(ports) <= _listening_ports(process.pid)
 
     def signal(self, signum: int) -> None:
         """Send a signal to the server (SIGSTOP / SIGCONT / SIGKILL in fault tests).
@@ -163,11 +169,12 @@ class ServerProcess:
         SIGSTOP to a server that is not running raises: a fault test would otherwise go on
         against a server that was never frozen.
         """
-        if signum == signal.SIGSTOP and not self.running():
+        process = self.live_process()
+        if signum == signal.SIGSTOP and process is None:
             raise ServiceError(f"{self.name} is not running: cannot freeze it\n{self.log_tail()}")
-        if self.running():
+        if process is not None:
             self._killed = self._killed or signum == signal.SIGKILL
-            os.kill(self.process.pid, signum)
+            os.kill(process.pid, signum)
             if signum == signal.SIGSTOP:
                 self._wait_stopped()
 

@@ -122,9 +122,10 @@ class RedisServer(ServerProcess):
 
     def kill(self) -> None:
         """SIGKILL the server and wait for it to be gone: no shutdown, no goodbye to clients."""
-        if self.running():
+        process = self.live_process()
+        if process is not None:
             self.signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+            process.wait(timeout=10)
 
     def restart(self, timeout: float = 15.0) -> None:
         """Start again on the same port with the same config (after :meth:`kill` or :meth:`stop`)."""
@@ -237,6 +238,7 @@ class RedisCluster:
             self._assign_slots()
             first = self.nodes[0]
             for node in self.nodes[1:]:
+                assert node.cluster_bus_port is not None  # every node of a cluster has one (above)
                 first.command("CLUSTER", "MEET", node.host, node.port, node.cluster_bus_port)
             for node in self.nodes:
                 node.wait_ready(self._healthy_from(node), timeout)

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 from hicache_storage.testing.process import ServerProcess, ServiceError, free_port, which_or_fail
@@ -169,8 +170,8 @@ class SeaweedFS(ServerProcess):
     def thaw(self) -> None:
         self.signal(signal.SIGCONT)
 
-    def client(self, **overrides: object) -> object:
-        """A boto3 S3 client for this server (for test setup and independent checks)."""
+    def client(self, **overrides: object) -> Any:
+        """A boto3 S3 client for this server (for test setup and independent checks); boto3 has no types."""
         import boto3
         from botocore.config import Config
 
