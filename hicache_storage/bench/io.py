@@ -22,9 +22,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hicache_storage.bench.raw import RawClient, dd_direct, make_raw
 from hicache_storage.bench.stats import human_bytes, markdown_table, percentile
+from hicache_storage.connectors.file import FileBackend
 from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace
 
@@ -70,7 +72,7 @@ def _timed_batches(batches: Sequence[tuple[int, int]], run: Callable[[int, int],
 
 
 def _measure(
-    op: str, path: str, page_size: int, batch: int, pages: int, run: Callable[[int, int], None], repeats: int
+    op: str, path: str, page_size: int, batch: int, pages: int, run: Callable[[int, int], object], repeats: int
 ) -> Measurement:
     """Run every batch ``repeats`` times; throughput from the median pass, latencies from all."""
     batches = [(s, min(s + batch, pages)) for s in range(0, pages, batch)]
@@ -98,7 +100,7 @@ def run_bench_io(
     repeats: int = 3,
     raw: RawClient | None = None,
     with_dd: bool = True,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Measure ``backend`` (and its raw client) and return the results as plain data."""
     raw = raw if raw is not None else make_raw(backend)
     scope = KeyScope(Namespace(model=f"bench-io-{uuid.uuid4().hex[:8]}", kv_dtype="bfloat16", page_size=64))
@@ -116,7 +118,7 @@ def run_bench_io(
             for batch in batch_sizes:
                 keys = scope.keys(f"{batch:08x}{i:056x}" for i in range(pages))
                 names = [f"raw-{page_size}-{batch}-{i}" for i in range(pages)]
-                cases: list[tuple[str, str, Callable[[int, int], None]]] = [
+                cases: list[tuple[str, str, Callable[[int, int], object]]] = [
                     ("put", "sdk zero-copy", lambda a, b: backend.put_from(keys[a:b], views[a:b])),
                     ("get", "sdk zero-copy", lambda a, b: backend.get_into(keys[a:b], targets[a:b])),
                     ("exists", "sdk", lambda a, b: backend.exists(keys[a:b])),
@@ -133,8 +135,8 @@ def run_bench_io(
                     measurements.append(_measure(op, path, page_size, batch, pages, run, repeats))
                 if bytes(targets[0]) != payloads[0]:
                     raise AssertionError(f"{backend.name}: a page read back differs from what was written")
-            if with_dd and backend.name == "file":
-                rates = dd_direct(page_size, pages, str(backend.config.root))
+            if with_dd and isinstance(backend.top, FileBackend):  # a bare file connector: dd where it writes
+                rates = dd_direct(page_size, pages, str(backend.top.config.root))
                 for op in ("put", "get"):
                     rate = rates["write" if op == "put" else "read"]
                     measurements.append(Measurement(op, "dd O_DIRECT", page_size, 1, pages, rate))
@@ -178,7 +180,7 @@ def _compare_layouts(backend: Store, scope: KeyScope, *, layers: int, page_size:
     return results
 
 
-def ratios(result: dict[str, object]) -> list[dict[str, object]]:
+def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
     """SDK zero-copy throughput divided by the raw client's, per op, page size and batch.
 
     A case where the SDK reported failed pages has no ratio: refusing is faster than storing.
@@ -200,7 +202,7 @@ def ratios(result: dict[str, object]) -> list[dict[str, object]]:
     return rows
 
 
-def render_markdown(result: dict[str, object]) -> str:
+def render_markdown(result: dict[str, Any]) -> str:
     lines = [f"## bench-io: `{result['backend']}` (raw client: {result['raw_client'] or 'none'})", ""]
     lines.append("Throughput in GB/s (exists: million keys/s); latency per batch call in ms.")
     lines.append("")
@@ -225,7 +227,7 @@ def render_markdown(result: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(result: dict[str, object], out_dir: Path) -> Path:
+def write_results(result: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-io-{result['backend']}"
     stem.with_suffix(".json").write_text(json.dumps({**result, "ratios": ratios(result)}, indent=2))

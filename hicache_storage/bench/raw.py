@@ -17,7 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from hicache_storage.connector import Connector
+from hicache_storage.connectors.file import FileBackend
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.connectors.mooncake import MooncakeBackend
+from hicache_storage.connectors.redis import RedisBackend
+from hicache_storage.connectors.s3 import S3Backend
 from hicache_storage.layers import connector_of
 from hicache_storage.store import Store
 
@@ -76,7 +80,7 @@ class RedisRaw:
 
     label = "redis-py pipeline"
 
-    def __init__(self, backend: Connector) -> None:
+    def __init__(self, backend: RedisBackend) -> None:
         import redis
 
         config = backend.config
@@ -111,7 +115,7 @@ class S3Raw:
 
     label = "boto3"
 
-    def __init__(self, backend: Connector) -> None:
+    def __init__(self, backend: S3Backend) -> None:
         import boto3
         from botocore.config import Config
 
@@ -150,7 +154,7 @@ class MooncakeRaw:
 
     label = "mooncake batch_*_from/into"
 
-    def __init__(self, backend: Connector) -> None:
+    def __init__(self, backend: MooncakeBackend) -> None:
         self.store = backend._store  # the connector's client: one setup, one registration table
 
     @staticmethod
@@ -198,16 +202,15 @@ class MemoryRaw:
 def make_raw(store: Store) -> RawClient | None:
     """The raw baseline for the connector of ``store``, or ``None`` if there is none."""
     backend = connector_of(store)
-    name = backend.name
-    if name == "file":
+    if isinstance(backend, FileBackend):
         return FileRaw(backend.config.io_threads)
-    if name == "redis" and not backend.config.cluster:
+    if isinstance(backend, RedisBackend) and not backend.config.cluster:
         return RedisRaw(backend)
-    if name == "s3":
+    if isinstance(backend, S3Backend):
         return S3Raw(backend)
-    if name == "mooncake":
+    if isinstance(backend, MooncakeBackend):
         return MooncakeRaw(backend)
-    if name == "memory":
+    if isinstance(backend, MemoryBackend):
         return MemoryRaw()
     return None
 
