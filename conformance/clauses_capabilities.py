@@ -23,6 +23,7 @@ import pytest
 
 from hicache_storage.connector import Level
 from hicache_storage.store import Store
+from hicache_storage.conformance.clauses import Clauses
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope, PageKey
 
@@ -101,7 +102,8 @@ class PeerProcess:
         self.process.stdin.flush()
 
     def answer(self) -> dict[str, Any]:
-        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        assert self.process.stdout is not None  # a pipe: opened in __init__
+        line = self.process.stdout.readline()
         if not line:
             self.finish()
             raise AssertionError(f"the peer process failed:\n{self.stderr[-3000:]}")
@@ -112,12 +114,12 @@ class PeerProcess:
         try:
             _, self.stderr = self.process.communicate("exit\n", timeout=180)
         except (BrokenPipeError, ValueError):
-            self.stderr = self.process.stderr.read() if self.process.stderr else ""  # type: ignore[union-attr]
+            self.stderr = self.process.stderr.read() if self.process.stderr else ""
             self.process.wait(timeout=180)
         return self.process.returncode
 
 
-class CapabilityClauses:
+class CapabilityClauses(Clauses):
     """Every declared capability is shown to hold."""
 
     # --- ttl ------------------------------------------------------------------------------------
@@ -144,7 +146,7 @@ class CapabilityClauses:
         rng: random.Random,
     ) -> None:
         """A backend that declares ttl lets a page expire: it becomes a miss, never other bytes."""
-        self.require(store, "ttl")  # type: ignore[attr-defined]
+        self.require(store, "ttl")
         if ttl_backend_config is None:
             pytest.fail(
                 "the backend declares ttl, but the suite cannot configure an expiry: override the "
@@ -171,7 +173,7 @@ class CapabilityClauses:
 
     def test_zero_copy_read_fills_the_target_itself(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A zero-copy read lands in the caller's (page-aligned) buffer with no page-sized copy in Python."""
-        self.require(store, "zero_copy_read")  # type: ignore[attr-defined]
+        self.require(store, "zero_copy_read")
         size = min(ZERO_COPY_PAGE_BYTES, store.capabilities.max_value_size or ZERO_COPY_PAGE_BYTES)
         key = scope.key(random_hash(rng))
         assert store.put([key], [page_for(key, size)]) == [True]
@@ -186,7 +188,7 @@ class CapabilityClauses:
 
     def test_zero_copy_write_takes_the_source_itself(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A zero-copy write reads the caller's (page-aligned) buffer with no page-sized copy in Python."""
-        self.require(store, "zero_copy_write")  # type: ignore[attr-defined]
+        self.require(store, "zero_copy_write")
         size = min(ZERO_COPY_PAGE_BYTES, store.capabilities.max_value_size or ZERO_COPY_PAGE_BYTES)
         key = scope.key(random_hash(rng))
         source = mmap.mmap(-1, size)
@@ -205,7 +207,7 @@ class CapabilityClauses:
     def test_native_batch_exists_is_one_call_per_batch(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """The connector answers exists for a batch in one call: it never splits the batch into
         smaller calls of its own hooks (key by key). Spies on every hook of the connector."""
-        self.require(store, "native_batch_exists")  # type: ignore[attr-defined]
+        self.require(store, "native_batch_exists")
         step = store.capabilities.max_batch or 24
         if step == 1:
             pytest.skip("unsupported: max_batch is 1, so every exists call is one key")
@@ -257,7 +259,7 @@ class CapabilityClauses:
     ) -> None:
         """shared_across_processes: another live process reads this one's page, and this one reads
         the page the other wrote while the other still runs."""
-        self.require(store, "shared_across_processes")  # type: ignore[attr-defined]
+        self.require(store, "shared_across_processes")
         ours, theirs = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         assert store.put([ours], [page_for(ours, 4096)]) == [True]
         request = self.peer_request(backend_name, backend_config, backend_layers, scope)
@@ -284,7 +286,7 @@ class CapabilityClauses:
         rng: random.Random,
     ) -> None:
         """outlives_writer: pages another process wrote stay readable after that process exits."""
-        self.require(store, "outlives_writer")  # type: ignore[attr-defined]
+        self.require(store, "outlives_writer")
         theirs = scope.key(random_hash(rng))
         request = self.peer_request(backend_name, backend_config, backend_layers, scope)
         peer = PeerProcess({**request, "read": theirs.page_hash, "write": theirs.page_hash, "size": 4096, "stay": False})
@@ -301,7 +303,7 @@ class CapabilityClauses:
         self, store: Store, open_backend: Callable[..., Store], scope: KeyScope, rng: random.Random
     ) -> None:
         """persistent: a new instance sees the last version of each page, and not the deleted ones."""
-        self.require(store, "persistent")  # type: ignore[attr-defined]
+        self.require(store, "persistent")
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
         assert store.put(keys, [page_for(k, 4096, 0) for k in keys]) == [True] * 3
         assert store.put(keys[1:2], [page_for(keys[1], 4096, 1)]) == [True]

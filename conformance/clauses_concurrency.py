@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 import pytest
 
 from hicache_storage.store import Store
+from hicache_storage.conformance.clauses import Clauses
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope, PageKey
 
@@ -141,7 +142,7 @@ def report(problems: list[str]) -> None:
         pytest.fail(problems[0] + more, pytrace=False)
 
 
-class ConcurrencyClauses:
+class ConcurrencyClauses(Clauses):
     """Atomic publication and per-key identity while writers and readers overlap."""
 
     #: Bytes of one page in the concurrent clauses: a few MiB, so one copy takes many steps.

@@ -11,10 +11,12 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from hicache_storage.store import Store
+from hicache_storage.conformance.clauses import Clauses
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
 
@@ -29,16 +31,20 @@ def _base_namespace() -> Namespace:
     )
 
 
-def _ns(**changes: object) -> Callable[[Namespace], tuple[Namespace, Namespace]]:
+def _ns(**changes: Any) -> Callable[[Namespace], tuple[Namespace, Namespace]]:
     return lambda base: (base, replace(base, **changes))
 
 
-def _ns_pair(mine: dict[str, object], theirs: dict[str, object]) -> Callable[[Namespace], tuple[Namespace, Namespace]]:
+def _ns_pair(mine: dict[str, Any], theirs: dict[str, Any]) -> Callable[[Namespace], tuple[Namespace, Namespace]]:
     return lambda base: (replace(base, **mine), replace(base, **theirs))
 
 
 def _capitalized(field: str) -> Callable[[Namespace], tuple[Namespace, Namespace]]:
-    return lambda base: (base, replace(base, **{field: str(getattr(base, field)).capitalize()}))
+    def pair(base: Namespace) -> tuple[Namespace, Namespace]:
+        changes: dict[str, Any] = {field: str(getattr(base, field)).capitalize()}
+        return base, replace(base, **changes)
+
+    return pair
 
 
 # Identities that differ from a base in one field only, slightly: letter case, one more
@@ -83,12 +89,12 @@ def near_scopes(variant: str) -> tuple[KeyScope, KeyScope]:
     return KeyScope(base, part="kv"), KeyScope(base, part="k")
 
 
-class IdentityClauses:
+class IdentityClauses(Clauses):
     """Operations touch exactly the key they name; duplicates in a batch resolve to the last write."""
 
     def require_operation(self, store: Store, operation: str) -> None:
         if operation in ("delete", "clear"):
-            self.require(store, operation)  # type: ignore[attr-defined]
+            self.require(store, operation)
 
     @staticmethod
     def clear_quietly(store: Store, *namespaces: Namespace) -> None:

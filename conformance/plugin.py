@@ -20,6 +20,7 @@ from hicache_storage.errors import StorageError
 
 pytest.register_assert_rewrite(
     "hicache_storage.conformance.suite",
+    "hicache_storage.conformance.clauses",
     "hicache_storage.conformance.stateful",
     "hicache_storage.conformance.clauses_bytes",
     "hicache_storage.conformance.clauses_capabilities",

@@ -138,8 +138,11 @@ def _describe_backend(name: str, raw_config: str | None) -> tuple[dict[str, Any]
     try:
         from hicache_storage.registry import create_backend
 
-        with create_backend(name, raw_config) as store:
-            return store.config.public_dict(), store.capabilities.as_dict()
+        connector = create_backend(name, raw_config)
+        try:
+            return connector.config.public_dict(), connector.capabilities.as_dict()
+        finally:
+            connector.close()
     except Exception as exc:  # the report must still be written when the backend cannot load
         return {"error": f"{type(exc).__name__}: {exc}"}, None
 

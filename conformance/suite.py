@@ -22,7 +22,8 @@ Optional fixtures a connector's test class may override: ``backdoor`` (an indepe
 path into the store, :mod:`~hicache_storage.conformance.backdoor`) and ``ttl_backend_config``
 (a config under which pages expire, for a backend that declares ``ttl``). The clauses live in
 one mixin per concept: this module's core, ``clauses_identity``, ``clauses_bytes``,
-``clauses_capabilities`` and ``clauses_concurrency``.
+``clauses_capabilities`` and ``clauses_concurrency``; ``clauses`` holds their base (the page size
+``page_size_bytes`` and the helpers ``require`` and ``write``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from hicache_storage.buffers import RawBuffer
 from hicache_storage.capabilities import Capabilities
 from hicache_storage.compat import conformance_layers_by_old_names
 from hicache_storage.conformance.backdoor import Backdoor, builtin_backdoor
+from hicache_storage.conformance.clauses import Clauses
 from hicache_storage.conformance.clauses_bytes import ByteClauses
 from hicache_storage.conformance.clauses_capabilities import CapabilityClauses
 from hicache_storage.conformance.clauses_concurrency import ConcurrencyClauses
@@ -105,7 +107,7 @@ def page_bytes(rng: random.Random, size: int, pattern: str = "random") -> bytes:
     return rng.randbytes(size)
 
 
-class CoreClauses:
+class CoreClauses(Clauses):
     """Round trips, per-key results, batches, prefix semantics, overwrite, delete, clear, isolation,
     exact bytes, declared limits, bad input, the model-based test and multi-pool storage."""
 
@@ -345,7 +347,7 @@ class CoreClauses:
 
     def test_rejects_non_key(self, store: Store) -> None:
         with pytest.raises(InvalidKeyError):
-            store.exists(["not-a-key"])  # type: ignore[list-item]
+            store.exists(["not-a-key"])  # type: ignore[list-item]  # a str on purpose: the store must refuse it
 
     def test_rejects_mismatched_buffers(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(2)]
@@ -377,8 +379,9 @@ class CoreClauses:
             ("a zero-byte page as the first page put", lambda: store.put([first], [b""])),
             ("a zero-byte read of it", lambda: store.get_into([first], [bytearray(0)])),
             ("an exists of it", lambda: store.exists([first])),
-            ("keys and pages given as one-shot iterators", lambda: store.put_from(iter([second]), iter([bytes(page)]))),
-            ("a read into one-shot iterators", lambda: store.get_into(iter([second]), iter([bytearray(page)]))),
+            # Off the declared types on purpose (they say Sequence): a caller's iterators must be taken or refused with a StorageError.
+            ("keys and pages given as one-shot iterators", lambda: store.put_from(iter([second]), iter([bytes(page)]))),  # type: ignore[arg-type]  # iterators on purpose
+            ("a read into one-shot iterators", lambda: store.get_into(iter([second]), iter([bytearray(page)]))),  # type: ignore[arg-type]  # iterators on purpose
             ("a miss read into an empty target", lambda: store.get_into([absent], [bytearray(0)])),
             ("a miss read into a page", lambda: store.get_into([absent], [bytearray(page)])),
         ]
@@ -526,8 +529,6 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
     #: Capability fields to override for this run: declare an emulator's gaps here, never as
     #: ``if emulator:`` in a test.
     capability_overrides: ClassVar[dict[str, Any]] = {}
-    #: Page size used by most clauses, in bytes.
-    page_size_bytes: ClassVar[int] = 4096
 
     # --- fixtures -----------------------------------------------------------------------------
 
@@ -601,11 +602,4 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
         ``capability_overrides`` set on the connector (so every layer above sees them)."""
         return open_store(store_spec(name, config, layers, capability_overrides=self.capability_overrides))
 
-    @staticmethod
-    def require(store: Store, capability: str) -> None:
-        if not getattr(store.capabilities, capability):
-            pytest.skip(f"unsupported: the backend does not declare {capability}")
-
-    def write(self, store: Store, keys: list[PageKey], values: list[bytes]) -> None:
-        assert store.put(keys, values) == [True] * len(keys), "put did not store every page"
 
