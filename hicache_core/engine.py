@@ -327,7 +327,7 @@ class Engine:
         self._running.remove(live)
         self._prefilled.discard(id(live))
         request, result = live.request, live.result
-        assert live.own_slots is not None
+        assert live.own_slots is not None and live.node is not None
         if self.config.tiers is CacheTiers.OFF:
             self.device_pool.allocator.free(live.own_slots)
             self.runner.release(live)

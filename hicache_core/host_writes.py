@@ -107,6 +107,7 @@ class HostWriter:
             host_slots = self._alloc_host(len(node.key))
         if host_slots is None:
             return False
+        assert node.device_value is not None  # still: a boundary's head keeps its part of the device KV
         done = self.transfers.backup(node.device_value, host_slots)
         begin = node.end - len(node.key)
         node.host_value = host_slots

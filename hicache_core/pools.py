@@ -338,7 +338,8 @@ class HostPool:
                 raise ValueError("ratio sizes the host pool relative to the device pool: pass device_pool")
             pages = int(device_pool.num_pages * ratio)
         else:
-            pages = int(size_bytes) // self.page_bytes  # type: ignore[arg-type]
+            assert size_bytes is not None  # exactly one of the three was given (checked above)
+            pages = int(size_bytes) // self.page_bytes
         if pages <= 0:
             raise ValueError(
                 f"the host pool would hold {pages} pages (page = {self.page_bytes} bytes); raise its size or ratio"
@@ -377,7 +378,7 @@ class HostPool:
 
     def as_buffer(self) -> memoryview:
         """The whole pool as one flat byte view (for ``Store.register_buffer``)."""
-        return memoryview(self.kv.view(-1).view(torch.uint8).numpy()).cast("B")
+        return self.kv.view(-1).view(torch.uint8).numpy().data.cast("B")
 
     def page_segments(self, first_slot: int) -> list[torch.Tensor]:
         """Zero-copy views of the page starting at ``first_slot``; their concatenation is the stored value."""

@@ -284,7 +284,8 @@ class Prefetcher:
                 for side in sides:
                     side.component.free_host(side.slots)
                 return
-            sides.append(SideFetch(component, trailing, slots))
+            assert component.host_allocator is not None  # reserve() took the slots from it
+            sides.append(SideFetch(component, trailing, slots, component.host_allocator))
         op.sides = sides
 
     def complete(self, op: PrefetchOp) -> bool:
@@ -433,12 +434,13 @@ class Prefetcher:
     def _read(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
         """Read the op's ``hit_pages`` (and its components' pages before the cut) into its host slots."""
         assert self.scope is not None and self.host is not None and op.host_indices is not None
+        host_indices = op.host_indices  # fixed at plan time
         with op.lock:  # against ``finish`` freeing the slots: pinned first, or not read at all
             if op.terminate.is_set():
                 return False
-            self.host.allocator.pin_io(op.host_indices)
+            self.host.allocator.pin_io(host_indices)
             for side in op.sides:
-                side.component.host_allocator.pin_io(side.slots)  # type: ignore[union-attr]
+                side.allocator.pin_io(side.slots)
         op.started_at = time.monotonic()
         backend = store.store
         keys: list[PageKey] = self.scope.keys(op.hashes)
@@ -463,7 +465,7 @@ class Prefetcher:
                     health=health,
                 )
                 side.complete = got_side is not None and all(got_side)
-            segments = self.host.segments_for(op.host_indices[: hit * ps])
+            segments = self.host.segments_for(host_indices[: hit * ps])
             begin = 0
             while begin < hit and not op.terminate.is_set():
                 want = min(self.batch_pages, hit - begin)
@@ -475,7 +477,7 @@ class Prefetcher:
                     def abandon(call: StorageTimeoutError) -> None:
                         nonlocal abandoned
                         abandoned = True  # the call may still land in its pages: they wait for it
-                        allocator.unpin_io_when_settled(op.host_indices[batch.start * ps : batch.stop * ps], call)
+                        allocator.unpin_io_when_settled(host_indices[batch.start * ps : batch.stop * ps], call)
 
                     try:
                         results = guarded_call(
@@ -496,7 +498,7 @@ class Prefetcher:
                     self.suspects.add(op.hashes[begin + i] for i, ok in enumerate(results) if not ok)
                 slot_end = batch.stop * ps if abandoned else (begin + got) * ps
                 if not abandoned:
-                    allocator.unpin_io(op.host_indices[pinned_from:slot_end])
+                    allocator.unpin_io(host_indices[pinned_from:slot_end])
                 pinned_from = slot_end
                 op.completed_pages += got
                 op.first_batch.set()
@@ -507,10 +509,10 @@ class Prefetcher:
                 begin = batch.stop
             self.metrics.add(prefetch_seconds=time.perf_counter() - started)
         finally:
-            allocator.unpin_io(op.host_indices[pinned_from:])
+            allocator.unpin_io(host_indices[pinned_from:])
             settling = side_abandoned[0] if side_abandoned else None
             for side in op.sides:
-                side.component.host_allocator.unpin_io_when_settled(side.slots, settling)  # type: ignore[union-attr]
+                side.allocator.unpin_io_when_settled(side.slots, settling)
         return False
 
 

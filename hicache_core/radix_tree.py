@@ -114,7 +114,7 @@ class RadixTree:
         device_node = node
         while device_node is not root and device_node.device_value is None:
             tail.append(device_node)
-            device_node = device_node.parent  # type: ignore[assignment]
+            device_node = device_node.parent  # type: ignore[assignment]  # below the root, every node has a parent
         if not tail and matched < len(node.key):
             device_node = self._split(node, matched)
         host_node, host_length = device_node, 0
@@ -140,7 +140,7 @@ class RadixTree:
         """
         components = self.components
         while node is not self.root and not all(c.accepts(node, on_device) for c in components):
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
         return node
 
     def boundary(self, node: TreeNode, position: int) -> TreeNode:
@@ -155,7 +155,7 @@ class RadixTree:
         while node is not self.root and node.end - len(node.key) >= position:
             if node.end == position:
                 return node
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
         if node is self.root or node.end == position:
             return node
         return self._split(node, position - (node.end - len(node.key)))
@@ -182,13 +182,13 @@ class RadixTree:
             step.hit_count += 1
             step.last_access = now
             existing.append(step)
-            step = step.parent  # type: ignore[assignment]
+            step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
         result = InsertResult(step.end, node, [], existing)
         while step is not root:
             step.hit_count += 1
             step.last_access = now
             existing.append(step)
-            step = step.parent  # type: ignore[assignment]
+            step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
         existing.reverse()
         if node.end < len(tokens):
             leaf = self._new_leaf(node, tokens, now)
@@ -212,7 +212,7 @@ class RadixTree:
         matched_end = node.end - len(node.key) + matched
         step = node
         while step is not self.root and step.end - len(step.key) >= start:
-            step = step.parent  # type: ignore[assignment]
+            step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
         if step is not self.root and start < min(step.end, matched_end):
             cut = start - (step.end - len(step.key))
             self._split(step, cut)
@@ -224,7 +224,7 @@ class RadixTree:
         step = node
         while step is not self.root:
             path.append(step)
-            step = step.parent  # type: ignore[assignment]
+            step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
         unused: list[torch.Tensor] = []
         inserted = 0
         for step in reversed(path):
@@ -441,9 +441,10 @@ class RadixTree:
         return path_device_slots(node, self.root)
 
     def _path_up(self, node: TreeNode) -> Iterator[TreeNode]:
-        while node is not self.root and node is not None:
-            yield node
-            node = node.parent  # type: ignore[assignment]
+        step: TreeNode | None = node  # None past the top of a detached path
+        while step is not self.root and step is not None:
+            yield step
+            step = step.parent
 
     # --- session references (see hicache_core.sessions) ---------------------------------------
 

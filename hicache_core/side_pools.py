@@ -150,7 +150,9 @@ def unsaved_state(node: TreeNode, components: Sequence[TieredComponent]) -> bool
     component that cannot tell is assumed to)."""
     for component in components:
         copies = getattr(component, "copies", None)
-        state = copies(node) if copies is not None else True
+        if copies is None:
+            return True
+        state = copies(node)
         if state is True or (state is not None and state.device is not None and state.host is None):
             return True
     return False
@@ -172,13 +174,15 @@ def backup_pages(node: TreeNode, components: Sequence[TieredComponent]) -> list[
 class SideFetch:
     """One component's part of a prefetch: its trailing pages before the cut, read into ``slots``.
 
-    ``slots`` hold ``trailing`` pages (reserved when the op is issued); the thread reads the
-    ``pages`` the cut needs (fewer near the start of the sequence) and sets ``complete``.
+    ``slots`` hold ``trailing`` pages (reserved when the op is issued, in ``allocator``: the
+    component's host allocator); the thread reads the ``pages`` the cut needs (fewer near the
+    start of the sequence) and sets ``complete``.
     """
 
     component: TieredComponent
     trailing: int
     slots: torch.Tensor
+    allocator: PageAllocator
     pages: int = 0
     complete: bool = False
 

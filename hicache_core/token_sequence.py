@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from hicache_storage.errors import InvalidKeyError
@@ -68,10 +68,10 @@ class _Store:
         self.hexes: list[str] = []
 
 
-class TokenSequence:
+class TokenSequence(Sequence[int]):
     """Token ids (``0 <= id < 2**32``) with their page hashes for one page size.
 
-    Reads behave like a read-only ``Sequence[int]`` (indexing and slices give ints and lists).
+    A read-only ``Sequence[int]`` (indexing and slices give ints and lists).
     :meth:`prefix` gives an O(1) view of the first tokens that shares the hash cache; extending a
     view that is not at the tip copies it first, so a view never changes.
     """

@@ -124,7 +124,7 @@ class MatchResult:
         if self._backed_up is None:
             node = self.host_node
             while node is not self._root and node.host_value is None:
-                node = node.parent  # type: ignore[assignment]
+                node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
             self._backed_up = node
         return self._backed_up
 
@@ -171,7 +171,7 @@ def path_nodes(node: TreeNode, root: TreeNode) -> list[TreeNode]:
     path = []
     while node is not root:
         path.append(node)
-        node = node.parent  # type: ignore[assignment]
+        node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
     path.reverse()
     return path
 

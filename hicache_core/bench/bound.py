@@ -40,6 +40,7 @@ from hicache_storage.registry import create_backend
 from hicache_core.controller import CacheController
 from hicache_core.engine import EngineConfig
 from hicache_core.metrics import CacheMetrics
+from hicache_core.model import ModelConfig
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.radix_tree import RadixTree
 
@@ -88,6 +89,8 @@ def measure_legs(config: EngineConfig, repeats: int = 5) -> Legs:
     Uses its own pools (``LEG_PAGES`` pages) and its own namespace in the store (a fresh tenant;
     pages deleted afterwards where the store can), so it leaves the run's cache untouched.
     """
+    if not isinstance(config.model, ModelConfig):
+        raise TypeError(f"the legs are timed on a full-attention pool, not a {type(config.model).__name__}: pass the full pool's model")
     geometry = config.model.geometry
     device = DevicePool(geometry, 2 * LEG_PAGES, config.page_size, config.device)
     host = HostPool(geometry, config.page_size, config.layout, num_pages=LEG_PAGES, device_pool=device)
@@ -97,7 +100,7 @@ def measure_legs(config: EngineConfig, repeats: int = 5) -> Legs:
         backup, load = _copy_speeds(controller, device, host, repeats)
         write = read = None
         if config.tiers.storage and config.storage_backend is not None:
-            write, read = _storage_speeds(controller, config, host, repeats)
+            write, read = _storage_speeds(controller, config.storage_backend, config, host, repeats)
     finally:
         controller.close()
         host.close()
@@ -131,13 +134,14 @@ def _copy_speeds(controller: CacheController, device: DevicePool, host: HostPool
     return max(backups), max(loads)
 
 
-def _storage_speeds(controller: CacheController, config: EngineConfig, host: HostPool, repeats: int) -> tuple[float, float]:
-    """Write and read speeds of whole pages between host-pool views and the store, as the controller calls it."""
-    store = controller.storage_stack(create_backend(config.storage_backend, config.storage_config))  # type: ignore[arg-type]
+def _storage_speeds(controller: CacheController, backend: str, config: EngineConfig, host: HostPool, repeats: int) -> tuple[float, float]:
+    """Write and read speeds of whole pages between host-pool views and ``backend`` (``config``'s
+    store), as the controller calls it."""
+    store = controller.storage_stack(create_backend(backend, config.storage_config))
     try:
         store.register_buffer(host.as_buffer())
         scope = KeyScope(
-            Namespace(f"bench-legs-{config.model.name}", config.model.geometry.dtype_name, config.page_size,
+            Namespace(f"bench-legs-{config.model.name}", host.geometry.dtype_name, config.page_size,
                       config.layout, tenant=f"legs-{uuid.uuid4().hex[:12]}")
         )
         segments = host.segments_for(host.allocator.slots_of(torch.arange(LEG_PAGES)))

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -244,7 +245,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None =
     legs = measure_bench_legs(config)
     runs = []
     for tiers in config.tiers:
-        runs.append(run_tiers(config, tiers, (lambda r, t=tiers: progress(t.value, r)) if progress else None))
+        runs.append(run_tiers(config, tiers, partial(progress, tiers.value) if progress else None))
     legs = legs.fastest(measure_bench_legs(config))
     l1_wall = next((run.overall.wall_s for run in runs if run.tiers == CacheTiers.L1.value), None)
     page_bytes = config.page_size * config.kv_bytes_per_token()
@@ -287,6 +288,6 @@ def stop_policy_comparison(config: BenchConfig, cheap_prefill_tokens_per_s: floa
         for policy in StopPolicy:
             variant = replace(config, tiers=(CacheTiers.L1_L2_L3,), stop_policy=policy, prefill_tokens_per_s=prefill)
             label = f"{policy.value} / {cost} recompute"
-            run = run_tiers(variant, CacheTiers.L1_L2_L3, (lambda r, l=label: progress(l, r)) if progress else None)
+            run = run_tiers(variant, CacheTiers.L1_L2_L3, partial(progress, label) if progress else None)
             rows.append({"recompute": cost, "prefill_tokens_per_s": prefill, "stop_policy": policy.value, "overall": asdict(run.overall), "metrics": run.metrics})
     return {"config": describe(config), "stop_policies": rows}

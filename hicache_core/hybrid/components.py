@@ -79,7 +79,7 @@ class PooledComponent(ABC):
     # --- per-node state --------------------------------------------------------------------
 
     def copies(self, node: TreeNode) -> Copies | None:
-        return node.components.get(self.name)  # type: ignore[return-value]
+        return node.components.get(self.name)  # type: ignore[return-value]  # this component keeps only Copies under its name
 
     def slots(self, node: TreeNode, device: bool) -> torch.Tensor | None:
         copies = self.copies(node)
@@ -357,9 +357,12 @@ class SlidingWindow(PooledComponent):
 
     def device_window(self, node: TreeNode, first: int) -> torch.Tensor:
         """Device slots of positions ``[first, node.end)`` (every node covering them holds them)."""
-        parts = [self.slots(n, device=True) for n in self.window(node)]
-        assert all(p is not None for p in parts), "the window was not brought to the device"
-        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
+        parts: list[torch.Tensor] = []
+        for covering in self.window(node):
+            part = self.slots(covering, device=True)
+            assert part is not None, "the window was not brought to the device"
+            parts.append(part)
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return slots[slots.numel() - (node.end - first) :]
 
     def split(self, upper: TreeNode, lower: TreeNode, length: int) -> None:
@@ -385,7 +388,7 @@ class SlidingWindow(PooledComponent):
         nodes: list[TreeNode] = []
         while node is not self.tree.root and node.end > start:
             nodes.append(node)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
         nodes.reverse()
         return nodes
 

@@ -55,7 +55,7 @@ class KVMemory:
 
     def host_buffers(self, host_slots: torch.Tensor) -> list[Any]:
         assert self.host is not None
-        return self.host.segments_for(host_slots)  # type: ignore[return-value]
+        return self.host.segments_for(host_slots)
 
     def close(self) -> None:
         if self.transfers is not None:

@@ -177,9 +177,9 @@ class ModeledHybridRunner(HybridRunner):
             memory.to_host = self.moved.counted("backup", memory.to_host, size)
             memory.to_device = self.moved.counted("load", memory.to_device, size)
         for component in components:
-            component.fetch_buffers = self.moved.counted("storage_read", component.fetch_buffers, slot_bytes[id(component)])
+            component.fetch_buffers = self.moved.counted("storage_read", component.fetch_buffers, slot_bytes[id(component)])  # type: ignore[method-assign]  # this instance's reads, counted
         if self.checkpoints is not None:
-            self.checkpoints.state_at = self._state_at_counted(self.checkpoints, slot_bytes[id(self.checkpoints)])
+            self.checkpoints.state_at = self._state_at_counted(self.checkpoints, slot_bytes[id(self.checkpoints)])  # type: ignore[method-assign,assignment]  # this instance's loads, counted
         return components
 
     def _state_at_counted(self, checkpoints: RecurrentState, size: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
@@ -205,6 +205,7 @@ class ModeledHybridRunner(HybridRunner):
                         request.snapshots[boundary] = request.state.clone()
             own.advance(end)
         if prefill:  # the whole call's time at once, over the FULL pool's layers (not a wait per chunk)
+            assert self.gpu is not None  # set in __init__
             self.gpu.prefill(len(tokens), self.geometry.layers, load)
         return (sum(tokens[-4:]) * 31 + length) % self.model_config.vocab_size
 

@@ -178,6 +178,8 @@ class HybridRunner:
             if load is not None and m.layer_kinds[layer] == FULL:
                 load.wait(m.pool_layer(layer))
 
+        logits: torch.Tensor | None = None
+        draft: torch.Tensor | None = None
         for begin, end in own.passes(position, length):
             ids = torch.tensor(list(tokens[begin - position : end - position]), dtype=torch.int64)
             swa = own.slots(begin, end, request.window, request.window_base)
@@ -191,7 +193,8 @@ class HybridRunner:
                     load.wait(m.full_layers)  # the draft model's layer of the FULL pool
                 draft = self.draft_model.forward(ids, self.draft_kv, full_slots[begin:end], full_slots[:end])
             own.advance(end)
-        if self.draft_model is not None:
+        assert logits is not None, "forward ran no pass"  # the engine calls it with at least one token
+        if draft is not None:  # the draft model ran each pass
             live.result.draft_ids.append(int(draft[-1].argmax()))
         last = logits[-1].cpu()
         live.logits.append(last)
