@@ -576,8 +576,10 @@ class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, Ident
     @pytest.fixture
     def backdoor(self, store: Store) -> Backdoor | None:
         """An independent read/write path into the store (see :mod:`~hicache_storage.conformance.backdoor`),
-        or ``None``. Default: the built-in one for a bare memory or file connector. Override it to
-        give your connector's (a raw client reading and writing the stored value)."""
+        or ``None``. Default: the one declared for the exact class of a store's connector when the
+        store has no layers (every built-in connector has one; ``register_backdoor`` declares
+        another). Override it to give your connector's (a raw client reading and writing the
+        stored value)."""
         return builtin_backdoor(store)
 
     @pytest.fixture

@@ -1,7 +1,8 @@
 """Deliberately wrong connectors: the conformance suite must fail each of them.
 
-Each is a small change to the memory connector that a vendor under deadline could plausibly ship
-and get through review: it serves most requests right and is wrong in one way (an operation, a
+Each is a small change to the memory connector (five at the end change a connector with a server:
+redis, s3, mooncake, hf3fs, fsspec, to prove each one's backdoor) that a vendor under deadline
+could plausibly ship and get through review: it serves most requests right and is wrong in one way (an operation, a
 capability it declares, concurrency, identity, sizes, batching, ordering, partial failure or
 persistence). ``MUTANTS`` lists them with their category and whether the cheap ``--quick`` run
 must catch them too; tests/test_conformance_detects_broken.py runs the suite against each and
@@ -114,14 +115,6 @@ class ExistsHitsFirst(MemoryBackend):
 
     def _exists(self, keys):
         return sorted(super()._exists(keys), reverse=True)
-
-
-@mutant("prefix_exists")
-class PrefixExistsCountsHits(MemoryBackend):
-    """prefix_exists 'optimized' into one count of the hits, holes included."""
-
-    def prefix_exists(self, keys):
-        return sum(self.exists(keys))
 
 
 @mutant("overwrite")
