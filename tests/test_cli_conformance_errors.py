@@ -1,9 +1,11 @@
 """Bad input to ``hicache-storage conformance``: one line on stderr, exit code 2, no report.
 
-Each case runs the real command in a subprocess. Before this, a bad config failed every clause
-with the same error (thousands of lines) and still wrote a report of errors. A missing pytest is
-simulated by a ``sitecustomize`` on PYTHONPATH whose import hook refuses the module, as an
-environment without it would.
+Each bad input goes through the command's entry point (``hicache_storage.cli.main``, what the
+``hicache-storage`` script calls) in this process; what needs a process of its own runs the real
+command in a subprocess: a missing pytest (simulated by a ``sitecustomize`` on PYTHONPATH whose
+import hook refuses the module, as an environment without it would), a good run, and the pytest
+plugin. Before this, a bad config failed every clause with the same error (thousands of lines)
+and still wrote a report of errors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from hicache_storage.cli import main
+
 
 def run_conformance(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -26,6 +30,14 @@ def run_conformance(tmp_path: Path, *args: str, env: dict[str, str] | None = Non
         timeout=120,
         env=env,
     )
+
+
+def run_in_process(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The same command through ``main`` in this process, as a CompletedProcess of what it printed."""
+    argv = ["conformance", *args, "--report-dir", str(tmp_path / "report")]
+    code = main(argv)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
 
 
 def assert_one_clear_error(result: subprocess.CompletedProcess[str], tmp_path: Path, *expected: str) -> None:
@@ -54,56 +66,56 @@ def unwritable_directory(tmp_path: Path) -> str:
     return "/proc/1"  # a real directory in which nobody, root included, may create a file
 
 
-def test_malformed_json(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "file", "--config", '{"root": ')
+def test_malformed_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "file", "--config", '{"root": ')
     assert_one_clear_error(result, tmp_path, "not valid JSON", "pass a JSON object")
 
 
-def test_wrong_field_type(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{tmp_path / "pages"}", "io_threads": "many"}}')
+def test_wrong_field_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "file", "--config", f'{{"root": "{tmp_path / "pages"}", "io_threads": "many"}}')
     assert_one_clear_error(result, tmp_path, "io_threads='many'", "valid integer")
 
 
-def test_unknown_key(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{tmp_path / "pages"}", "nvme": true}}')
+def test_unknown_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "file", "--config", f'{{"root": "{tmp_path / "pages"}", "nvme": true}}')
     assert_one_clear_error(result, tmp_path, "unknown config key 'nvme'", "valid keys: ")
 
 
-def test_missing_config_file(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "file", "--config", f"@{tmp_path / 'absent.toml'}")
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "file", "--config", f"@{tmp_path / 'absent.toml'}")
     assert_one_clear_error(result, tmp_path, "cannot read config file", "absent.toml", "No such file")
 
 
-def test_root_that_is_a_file(tmp_path: Path) -> None:
+def test_root_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "a-file").write_bytes(b"")
-    result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{tmp_path / "a-file"}"}}')
+    result = run_in_process(capsys, tmp_path, "file", "--config", f'{{"root": "{tmp_path / "a-file"}"}}')
     assert_one_clear_error(result, tmp_path, "is not a directory", "pass a directory")
 
 
-def test_root_below_a_file(tmp_path: Path) -> None:
+def test_root_below_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "a-file").write_bytes(b"")
-    result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{tmp_path / "a-file" / "pages"}"}}')
+    result = run_in_process(capsys, tmp_path, "file", "--config", f'{{"root": "{tmp_path / "a-file" / "pages"}"}}')
     assert_one_clear_error(result, tmp_path, "cannot create root", "Not a directory")
 
 
-def test_root_that_is_not_writable(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "file", "--config", f'{{"root": "{unwritable_directory(tmp_path)}"}}')
+def test_root_that_is_not_writable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "file", "--config", f'{{"root": "{unwritable_directory(tmp_path)}"}}')
     assert_one_clear_error(result, tmp_path, "root must be a directory this process can write")
 
 
-def test_bad_layer_spec(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "memory", "--layers", '[{"kind": "retyr"}]')
+def test_bad_layer_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "memory", "--layers", '[{"kind": "retyr"}]')
     assert_one_clear_error(result, tmp_path, "unknown kind 'retyr'", "valid kinds: ")
 
 
-def test_unknown_backend(tmp_path: Path) -> None:
-    result = run_conformance(tmp_path, "no-such-store")
+def test_unknown_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_in_process(capsys, tmp_path, "no-such-store")
     assert_one_clear_error(result, tmp_path, "unknown storage backend 'no-such-store'", "known backends: ")
 
 
-def test_server_that_does_not_answer(tmp_path: Path) -> None:
+def test_server_that_does_not_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("redis")
-    result = run_conformance(tmp_path, "redis", "--config", f'{{"url": "redis://127.0.0.1:{closed_port()}"}}')
+    result = run_in_process(capsys, tmp_path, "redis", "--config", f'{{"url": "redis://127.0.0.1:{closed_port()}"}}')
     assert_one_clear_error(result, tmp_path, "cannot use Redis", "check that the server is running")
 
 
