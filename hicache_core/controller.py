@@ -19,7 +19,7 @@ Threads and safety. The scheduler thread owns the tree and calls every public me
 backup and prefetch threads touch only pool memory they were handed (pinned in the allocator
 while I/O is in flight, so no page is freed or reused under a transfer) and report back through
 queues; ``poll`` applies their results. Both threads survive any exception from the backend
-(logged and counted); a store that hangs is bounded by the SDK's timeout wrapper
+(logged and counted); a store that hangs is bounded by the SDK's timeout layer
 (``storage_timeout_s``). Store health is a state: ``breaker.failures_to_open`` consecutive
 timeouts or temporary errors open the store's breaker (:mod:`hicache_storage.health`): no data
 calls (a prefetch finds nothing at once, a backup is skipped and counted), an ``exists`` of one

@@ -82,7 +82,7 @@ def fault_spec(seed: int, hang_seconds: float) -> dict[str, Any]:
 class SoakConfig:
     minutes: float = 2.0
     seed: int = 0
-    #: Connector under the fault wrapper and its config; default: the file connector on a
+    #: Connector under the fault layer and its config; default: the file connector on a
     #: temporary directory with an LRU capacity, so the store itself cannot grow without bound.
     backend: str = "file"
     backend_config: dict[str, Any] | None = None
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the full report (with samples) here")
     parser.add_argument("--verbose", action="store_true", help="log every storage warning (thousands on a long run)")
     args = parser.parse_args(argv)
-    # Injected faults make the controller and the integrity wrapper warn on every one; the report counts them.
+    # Injected faults make the controller and the integrity layer warn on every one; the report counts them.
     logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR)
     config = SoakConfig(minutes=args.minutes, seed=args.seed, backend=args.backend,
                         backend_config=json.loads(args.config) if args.config else None, stall_s=args.stall_seconds)
