@@ -11,6 +11,7 @@ import pytest
 
 from hicache_storage.store import Store
 from hicache_storage.conformance.backdoor import Backdoor
+from hicache_storage.conformance.clauses import Clauses
 from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope
 
@@ -24,7 +25,7 @@ NO_BACKDOOR = (
 )
 
 
-class ByteClauses:
+class ByteClauses(Clauses):
     """Stored bytes are exactly the caller's, at every size, seen through an independent path too."""
 
     @staticmethod
@@ -61,7 +62,7 @@ class ByteClauses:
 
     def test_put_keeps_no_reference_to_the_callers_buffer(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A host pool reuses a page's memory as soon as put returns: the stored page must not follow it."""
-        size = self.page_size_bytes  # type: ignore[attr-defined]
+        size = self.page_size_bytes
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
         pool = bytearray(len(keys) * size)
         view = memoryview(pool)
@@ -76,7 +77,7 @@ class ByteClauses:
 
     def test_get_leaves_the_target_alone_once_it_returns(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A target is the caller's again when get returns: later writes of its key do not reach it."""
-        size = self.page_size_bytes  # type: ignore[attr-defined]
+        size = self.page_size_bytes
         key = scope.key(random_hash(rng))
         assert store.put([key], [page_for(key, size, 0)]) == [True]
         target = bytearray(size)
@@ -106,7 +107,7 @@ class ByteClauses:
     ) -> None:
         """Reads are checked against bytes the connector did not write itself."""
         backdoor = self.require_backdoor(backdoor)
-        size = self.page_size_bytes  # type: ignore[attr-defined]
+        size = self.page_size_bytes
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
         for key in keys[:2]:
             backdoor.set(key, page_for(key, size))
@@ -120,7 +121,7 @@ class ByteClauses:
     def test_delete_removes_what_the_backdoor_sees(
         self, store: Store, scope: KeyScope, rng: random.Random, backdoor: Backdoor | None
     ) -> None:
-        self.require(store, "delete")  # type: ignore[attr-defined]
+        self.require(store, "delete")
         backdoor = self.require_backdoor(backdoor)
         keep, gone = scope.key(random_hash(rng)), scope.key(random_hash(rng))
         assert store.put([keep, gone], [page_for(keep, 512), page_for(gone, 512)]) == [True, True]
