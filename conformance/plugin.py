@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hicache_storage.conformance.preflight import check_options, one_line
+from hicache_storage.conformance.report import UNTYPED_ERROR, ReportCollector
 from hicache_storage.errors import StorageError
 
 pytest.register_assert_rewrite(
@@ -48,14 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"hicache-storage conformance: {one_line(str(exc))}") from None
     stem = config.getoption("--hicache-report", default=None)
     if stem:
-        from hicache_storage.conformance.report import ReportCollector
-
         config.pluginmanager.register(ReportCollector(config, stem), "hicache-conformance-report")
 
 
-
-#: The ``user_properties`` entry of a clause that failed on an untyped error: (name, exception class).
-UNTYPED_ERROR = "untyped_error"
 
 
 @pytest.hookimpl(hookwrapper=True)

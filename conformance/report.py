@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from hicache_storage.conformance.plugin import UNTYPED_ERROR
-
 OUTCOMES = ("passed", "failed", "error", "unsupported", "skipped")
+#: The ``user_properties`` entry of a clause that failed on an untyped error: (name, exception
+#: class), added by the plugin (:mod:`~hicache_storage.conformance.plugin`).
+UNTYPED_ERROR = "untyped_error"
 
 
 @dataclass
