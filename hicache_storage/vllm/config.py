@@ -16,6 +16,8 @@ from hicache_storage.spec import StoreSpec, store_spec
 
 #: The name errors give for this config.
 WHERE = "vllm-connector"
+#: ... and for the same config as a secondary tier of vLLM's CPU offloading.
+TIER_WHERE = "vllm-tier"
 
 
 class VllmConnectorConfig(BackendConfig):
@@ -43,22 +45,32 @@ class VllmConnectorConfig(BackendConfig):
 
     @classmethod
     def from_extra_config(cls, extra_config: dict[str, Any] | None) -> VllmConnectorConfig:
-        given = dict(extra_config or {})
+        return cls._from_mapping(extra_config, owner="HiCacheStorageConnector", place="kv_connector_extra_config", where=WHERE)
+
+    @classmethod
+    def from_tier_config(cls, tier_config: dict[str, Any] | None) -> VllmConnectorConfig:
+        """The same keys, given in a ``secondary_tiers`` entry of vLLM's ``TieringOffloadingSpec``
+        (:mod:`hicache_storage.vllm.tier`), less what vLLM's tier factory consumes itself."""
+        return cls._from_mapping(tier_config, owner="HiCacheStorageTier", place="its secondary_tiers entry", where=TIER_WHERE)
+
+    @classmethod
+    def _from_mapping(cls, given_config: dict[str, Any] | None, *, owner: str, place: str, where: str) -> VllmConnectorConfig:
+        given = dict(given_config or {})
         if "connector" not in given:
             raise ConfigError(
-                "HiCacheStorageConnector needs 'connector' in kv_connector_extra_config "
+                f"{owner} needs 'connector' in {place} "
                 '(e.g. "connector": "file", "connector_config": {"root": "/mnt/nvme/kv"})',
                 field="connector",
-                backend=WHERE,
+                backend=where,
             )
         if "wrappers" in given:
             raise ConfigError(
-                "kv_connector_extra_config has 'wrappers'; the vLLM connector calls them 'layers' "
+                f"{place} has 'wrappers'; the vLLM connector calls them 'layers' "
                 '(e.g. "layers": [{"kind": "integrity"}])',
                 field="wrappers",
-                backend=WHERE,
+                backend=where,
             )
-        return cls.parse(given, backend=WHERE)
+        return cls.parse(given, backend=where)
 
     def store_spec(self) -> StoreSpec:
         """The store the connector opens in each of vLLM's processes (scheduler and every worker)."""

@@ -10,6 +10,16 @@ and a vLLM one never share a namespace, so neither reads the other's pages.
 
 Both of vLLM's processes (the scheduler, which looks pages up, and each worker, which moves
 them) derive the same identity from the same ``VllmConfig`` and ``KVCacheConfig``.
+
+The secondary tier behind vLLM's CPU offloading (:mod:`hicache_storage.vllm.tier`) stores
+something else: a row of the offloading's CPU primary tier, which holds one chunk of every
+worker (rank after rank, each rank's blocks tensor after tensor, padded to a memory page), keyed
+once for all ranks. Its namespace (:func:`offload_rows`) has the same model, revision, dtype and
+tenant rules, and a geometry that starts ``kv_layout=offload_row``, a value no vLLM KV layout
+has, so it never shares a namespace with the KV connector's pages, even where a row happens to
+hold the same bytes as one rank's block (TP 1, one block per chunk, no padding): the tier runs in
+the scheduler, which is not told the KV heads, head size or KV layout that name the KV
+connector's geometry, so it could not prove that equality.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import Any
 
 from hicache_storage.errors import ConfigError
 from hicache_storage.keys import KeyScope, Namespace, PageKey, Shard
-from hicache_storage.vllm.config import WHERE, VllmConnectorConfig
+from hicache_storage.vllm.config import TIER_WHERE, WHERE, VllmConnectorConfig
 
 #: The key part of every page (K and V of every layer together).
 PART = "kv"
@@ -117,6 +127,57 @@ def deployment(vllm_config: Any, kv_cache_config: Any, config: VllmConnectorConf
         layer_names=layer_names,
         layer_block_bytes=spec.page_size_bytes,
     )
+
+
+#: The first field of an offloading row's geometry: no vLLM KV layout is called this.
+OFFLOAD_ROW = "offload_row"
+
+
+@dataclass(frozen=True)
+class OffloadRows:
+    """The page identity of vLLM's offloading rows in a secondary tier: one page per chunk key."""
+
+    namespace: Namespace
+
+    def scope(self, group: int) -> KeyScope:
+        """Every rank's bytes are in the row: one shard for the deployment, a part per KV cache group."""
+        return KeyScope(self.namespace, Shard(), f"kv_g{group}")
+
+    def key(self, block_hash: bytes, group: int) -> PageKey:
+        return self.scope(group).key(bytes(block_hash).hex())
+
+
+def offload_rows(offloading_config: Any, config: VllmConnectorConfig, row_bytes: int) -> OffloadRows:
+    """The identity of the rows an ``OffloadingSpec`` (its ``OffloadingConfig``) cascades to a
+    secondary tier, ``row_bytes`` each. The spec carries neither vLLM's ``--revision`` nor its
+    served model name: ``revision`` and ``model`` come from the tier's config (the model defaults
+    to vLLM's ``--model``)."""
+    groups = offloading_config.groups
+    if not groups:
+        raise ConfigError("vLLM's offloading config has no KV cache group to store", backend=TIER_WHERE)
+    parallel = offloading_config.parallel
+    blocks_per_chunk = offloading_config.cache.blocks_per_chunk
+    canonical = "canonical" if offloading_config.canonical_layout else "direct"
+    if offloading_config.replicated_layout:
+        canonical += "+replicated"
+    geometry = (
+        f"kv_layout={OFFLOAD_ROW},vllm_kv_layout={offloading_config.kv_cache_layout or 'default'},format={canonical},"
+        f"world={parallel.world_size},tp={parallel.tp_size},pp={parallel.pp_size},pcp={parallel.pcp_size},"
+        f"dcp={parallel.dcp_size},blocks_per_chunk={blocks_per_chunk},"
+        f"tokens_per_hash={offloading_config.cache.tokens_per_hash},"
+        f"groups={'+'.join(f'{g.tokens_per_block}x{len(g.layer_names)}' for g in groups)},"
+        f"worker_block_bytes={offloading_config.worker_kv_bytes_per_block},row_bytes={row_bytes}"
+    )
+    namespace = Namespace(
+        model=config.model or str(offloading_config.model.name),
+        kv_dtype=str(offloading_config.model.dtype),
+        page_size=groups[0].tokens_per_block * blocks_per_chunk,
+        layout="vllm_block",
+        revision=config.revision,
+        tenant=config.tenant,
+        geometry=geometry,
+    )
+    return OffloadRows(namespace)
 
 
 def _served_name(model_config: Any) -> str:
