@@ -7,14 +7,17 @@
     {"model": DIR, "make_model": {TinyLlama fields} | null,
      "engines": [{"name": "write-file", "kv": EXTRA_CONFIG | null, "tp": 1,
                   "max_tokens": 40, "batches": [{"name": "set1", "prompts": [[token ids], ...]}],
-                  "transfer": {other kv_transfer_config fields} | absent}]}
+                  "transfer": {other kv_transfer_config fields} | absent,
+                  "offload": OFFLOADING_EXTRA_CONFIG | absent}]}
 
 Each engine is vLLM's ``LLM`` with the tier's settings, our connector as its KV connector when
-``kv`` is given (its ``kv_connector_extra_config``), none otherwise. Every batch is one
-``generate`` call, greedy. ``RESULT.json`` is rewritten after each engine: per engine and batch,
-every request's generated tokens, vLLM's ``num_cached_tokens`` and the connector's report
-(``kv_transfer_params``); the connector's counters where the engine runs in this process; or the
-error that stopped the engine. An engine that fails does not stop the next one.
+``kv`` is given (its ``kv_connector_extra_config``), vLLM's ``OffloadingConnector`` when
+``offload`` is (its ``kv_connector_extra_config``: our secondary tier behind vLLM's CPU
+offloading), none otherwise. Every batch is one ``generate`` call, greedy. ``RESULT.json`` is
+rewritten after each engine: per engine and batch, every request's generated tokens, vLLM's
+``num_cached_tokens`` and the connector's report (``kv_transfer_params``); the connector's
+counters where the engine runs in this process (for an ``offload`` engine, each secondary
+tier's); or the error that stopped the engine. An engine that fails does not stop the next one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from typing import Any
 BLOCK_SIZE = 32
 
 
-def engine_kwargs(model: str, kv: dict[str, Any] | None, tp: int, transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    model: str,
+    kv: dict[str, Any] | None,
+    tp: int,
+    transfer: dict[str, Any] | None = None,
+    offload: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": model,
         "dtype": "bfloat16",
@@ -53,6 +62,8 @@ def engine_kwargs(model: str, kv: dict[str, Any] | None, tp: int, transfer: dict
             "kv_connector_extra_config": kv,
             **(transfer or {}),
         }
+    elif offload is not None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": offload}
     return kwargs
 
 
@@ -74,12 +85,25 @@ def counters(llm: Any) -> dict[str, dict[str, int]]:
     return found
 
 
+def tier_counters(llm: Any) -> list[dict[str, Any]]:
+    """Each secondary tier's counters (``HiCacheStorageTier.counts``), its store's and the store's
+    stats, once the transfers it was given have ended."""
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.connector.connector_scheduler.manager
+    for tier in manager.secondary_tiers:
+        tier.drain_jobs()
+    return [
+        {"tier": dict(tier.counts), "store": dict(tier.store.counts), "stats": tier.store.store.stats()}
+        for tier in manager.secondary_tiers
+    ]
+
+
 def run_engine(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     result: dict[str, Any] = {"batches": {}}
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(model, spec.get("kv"), spec.get("tp", 1), spec.get("transfer")))
+    llm = LLM(**engine_kwargs(model, spec.get("kv"), spec.get("tp", 1), spec.get("transfer"), spec.get("offload")))
     result["start_s"] = round(time.perf_counter() - start, 2)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True, detokenize=False)
@@ -97,6 +121,8 @@ def run_engine(model: str, spec: dict[str, Any]) -> dict[str, Any]:
             result.setdefault("generate_s", {})[batch["name"]] = round(time.perf_counter() - start, 2)
         if spec.get("kv") is not None:
             result["counts"] = counters(llm)
+        if spec.get("offload") is not None:
+            result["tiers"] = tier_counters(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

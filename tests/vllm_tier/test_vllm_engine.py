@@ -7,6 +7,11 @@ extend the writer's prompts with the writer's own generated tokens, once per sto
 what it loaded from L3 and that its greedy outputs equal the reference. Corrupted pages, a
 failing store and a hanging store run in the reader process too. Every check reads vLLM's own
 outputs and our connector's per-request report (``kv_transfer_params``).
+
+The same two processes run the secondary-tier route too: vLLM's ``OffloadingConnector`` with our
+``HiCacheStorageTier`` behind its CPU primary tier (the writer's engine cascades to four stores at
+once; each reader engine is a new engine, with an empty primary tier, on one of them), its
+worker on the CPU the stand-in of ``cpu_offload.py``.
 """
 
 from __future__ import annotations
@@ -83,6 +88,14 @@ def tier(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, mooncake_m
         "layers": [{"kind": "integrity"}],
     }
     model = str(work / "tiny-llama")
+    # The secondary-tier route: its own file stores; redis and mooncake the KV connector's very
+    # stores (their namespaces keep the two routes' pages apart).
+    tier_stores = {
+        "file": {"connector": "file", "connector_config": {"root": str(work / "tier-file")}},
+        "file-integrity": {"connector": "file", "connector_config": {"root": str(work / "tier-integrity")}, "layers": [{"kind": "integrity"}]},
+        "redis": stores["redis"],
+        "mooncake": stores["mooncake"],
+    }
 
     written = run_role(
         {
@@ -90,7 +103,8 @@ def tier(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, mooncake_m
             "make_model": {},
             "engines": [_engine("reference", None, _batches("repeated", "first_turns"))]
             + [_engine(f"write-{name}", kv, _batches("repeated", "first_turns")) for name, kv in stores.items()]
-            + [{**_engine("fail-policy", stores["file"], []), "transfer": {"kv_load_failure_policy": "fail"}}],
+            + [{**_engine("fail-policy", stores["file"], []), "transfer": {"kv_load_failure_policy": "fail"}}]
+            + [_tier_engine("write-tier", *tier_stores.values())],
         },
         work,
         "writer",
@@ -104,6 +118,15 @@ def tier(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, mooncake_m
     corrupt_root = work / "file-corrupt"
     shutil.copytree(file_root, corrupt_root)
     corrupted = {"file-corrupt": _corrupt_pages(corrupt_root, 3), "file-integrity": _corrupt_pages(integrity_root, 3)}
+    tier_corrupt_root = work / "tier-file-corrupt"
+    shutil.copytree(work / "tier-file", tier_corrupt_root)
+    corrupted["tier-file-corrupt"] = _corrupt_pages(tier_corrupt_root, 3)
+    corrupted["tier-file-integrity"] = _corrupt_pages(work / "tier-integrity", 3)
+    tier_readers = {
+        **{name: tier_stores[name] for name in CONNECTORS + ("file-integrity",)},
+        "file-corrupt": {"connector": "file", "connector_config": {"root": str(tier_corrupt_root)}},
+        "file-empty": {"connector": "file", "connector_config": {"root": str(work / "tier-empty")}},
+    }
     failing = {
         "kind": "faults",
         **{op: {"error_rate": 1.0, "errors": ["unavailable"]} for op in ("exists", "get", "put")},
@@ -121,7 +144,8 @@ def tier(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, mooncake_m
         {
             "model": model,
             "engines": [_engine("reference-followups", None, _batches("followups", followups=followups))]
-            + [_engine(f"read-{name}", kv, _batches("repeated", "followups", followups=followups)) for name, kv in readers.items()],
+            + [_engine(f"read-{name}", kv, _batches("repeated", "followups", followups=followups)) for name, kv in readers.items()]
+            + [_tier_engine(f"read-tier-{name}", store) for name, store in tier_readers.items()],
         },
         work,
         "reader",
@@ -237,6 +261,94 @@ def test_hanging_reads_degrade_to_recompute(tier: dict[str, Any]) -> None:
     assert all(out["report"]["loaded_tokens"] == 0 for out in outs)
     worker = reader["counts"]["worker_store"]
     assert worker.get("failed_get", 0) + worker.get("skipped_get", 0) >= len(outs)
+
+
+# --- the secondary-tier route: HiCacheStorageTier behind vLLM's CPU offloading ----------------------
+
+#: vLLM's CPU primary tier: 128 rows of one block (4 layers x 16 KiB)
+TIER_CPU_BYTES = 8 << 20
+#: Full blocks of the repeated prompts: vLLM offloads prompt blocks only (offload_prompt_only)
+TIER_ROWS = len(REPEATED) * (PROMPT_TOKENS // BLOCK_SIZE)
+
+
+def _tier_engine(name: str, *stores: dict[str, Any]) -> dict[str, Any]:
+    """An engine with vLLM's OffloadingConnector and one HiCacheStorageTier per store. On a GPU the
+    spec is vLLM's own "TieringOffloadingSpec"; here its subclass whose worker copies in host
+    memory (cpu_offload.py), since vLLM's refuses the CPU platform."""
+    offload = {
+        "spec_name": "CpuTieringOffloadingSpec",
+        "spec_module_path": "cpu_offload",
+        "cpu_bytes_to_use": TIER_CPU_BYTES,
+        "secondary_tiers": [{"type": "HiCacheStorageTier", "module_path": "hicache_storage.vllm.tier", **store} for store in stores],
+    }
+    return {"name": name, "kv": None, "offload": offload, "max_tokens": OUTPUT_TOKENS, "batches": _batches("repeated")}
+
+
+def _tier_counts(result: dict[str, Any], index: int = 0) -> dict[str, int]:
+    return result["tiers"][index]["tier"]
+
+
+def _assert_loaded_from_l3(reader: dict[str, Any]) -> None:
+    """Each repeated prompt's full blocks came from the store: the reader is a new engine, whose
+    prefix cache and CPU primary tier start empty, so every cached token was promoted from L3."""
+    for out in reader["batches"]["repeated"]:
+        assert out["num_cached_tokens"] >= 0.9 * _full_blocks(PROMPT_TOKENS) * BLOCK_SIZE, out["num_cached_tokens"]
+    assert _tier_counts(reader).get("rows_loaded", 0) >= 0.9 * TIER_ROWS, _tier_counts(reader)
+
+
+def test_tier_writer_cascades_to_every_tier(tier: dict[str, Any]) -> None:
+    """vLLM cascades each block its CPU primary tier stores to every secondary tier: each of the
+    writer's four tiers (file, file + integrity, redis, mooncake) stored every full prompt block."""
+    writer = _engine_result(tier["written"], "write-tier")
+    assert _tokens(writer, "repeated") == _reference(tier, "repeated")
+    assert all(out["num_cached_tokens"] == 0 for out in writer["batches"]["repeated"])
+    assert len(writer["tiers"]) == 4
+    for counts in writer["tiers"]:
+        assert counts["tier"].get("rows_stored") == TIER_ROWS, counts
+        assert counts["tier"].get("rows_not_stored", 0) == 0, counts
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_tier_reader_loads_repeated_prompts_from_l3(tier: dict[str, Any], connector: str) -> None:
+    reader = _engine_result(tier["read"], f"read-tier-{connector}")
+    assert _tokens(reader, "repeated") == _reference(tier, "repeated")
+    _assert_loaded_from_l3(reader)
+    assert _tier_counts(reader).get("rows_failed_to_load", 0) == 0
+
+
+def test_tier_reader_with_the_store_emptied_loads_nothing(tier: dict[str, Any]) -> None:
+    """On an empty store the same reader computes everything, with the same outputs, and the check
+    that the blocks came from L3 fails: what the other readers pass is not vLLM's own cache."""
+    reader = _engine_result(tier["read"], "read-tier-file-empty")
+    assert _tokens(reader, "repeated") == _reference(tier, "repeated")
+    assert all(out["num_cached_tokens"] == 0 for out in reader["batches"]["repeated"])
+    assert _tier_counts(reader).get("rows_found", 0) == 0
+    with pytest.raises(AssertionError):
+        _assert_loaded_from_l3(reader)
+
+
+def test_tier_corrupted_rows_under_integrity_are_misses(tier: dict[str, Any]) -> None:
+    """Rows corrupted on disk fail the integrity check when promoted: vLLM frees their slots and
+    computes them (outputs equal the reference), the rows before the first bad one still come from
+    L3, and the recomputed rows are written again."""
+    assert tier["corrupted"]["tier-file-integrity"] > 0
+    reader = _engine_result(tier["read"], "read-tier-file-integrity")
+    assert _tokens(reader, "repeated") == _reference(tier, "repeated")
+    counts = _tier_counts(reader)
+    assert counts.get("rows_failed_to_load", 0) > 0, counts
+    assert counts.get("rows_loaded", 0) > 0, counts
+    assert reader["tiers"][0]["stats"].get("integrity_miss_checksum", 0) > 0
+    assert counts.get("rows_stored", 0) >= counts["rows_failed_to_load"], counts
+
+
+def test_tier_corrupted_rows_without_integrity_change_outputs(tier: dict[str, Any]) -> None:
+    """The same corruption without the integrity layer loads as if it were good and the outputs
+    change: the reader's model attends to the rows the tier promoted."""
+    assert tier["corrupted"]["tier-file-corrupt"] > 0
+    reader = _engine_result(tier["read"], "read-tier-file-corrupt")
+    assert _tier_counts(reader).get("rows_failed_to_load", 0) == 0
+    assert _tier_counts(reader).get("rows_loaded", 0) == TIER_ROWS
+    assert _tokens(reader, "repeated") != _reference(tier, "repeated")
 
 
 # --- TP = 2 --------------------------------------------------------------------------------------
