@@ -17,7 +17,8 @@ On a CUDA machine this script
 included only where it can run, i.e. under ``TRITON_INTERPRET=1``), so the script cannot rot
 unnoticed where no GPU exists. Dry-run timings mean nothing.
 
-Usage: ``python benchmarks/kernels_gpu.py --out results/kernels`` (GPU) or ``--dry-run``.
+Usage: ``python benchmarks/kernels_gpu.py --out results/kernels`` (GPU) or ``--dry-run`` (or
+``python -m hicache_storage.benchmarks.kernels_gpu``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -378,19 +380,19 @@ def transfer_functions(
     layers = device_kv.shape[1]
     if method == "copy_per_page":
 
-        def load() -> None:
+        def load_pages() -> None:
             for layer in range(layers):
                 reference.load_layer(device_kv, host_kv, runs, layer=layer, layout=layout, page_size=page_size)
 
-        def save() -> None:
+        def save_pages() -> None:
             reference.backup(device_kv, host_kv, runs, layout=layout, page_size=page_size)
 
-        return load, save
+        return load_pages, save_pages
     backend = "triton" if method == "triton" else "torch"
     # Indices live where each backend reads them, as the core would keep them.
     kernel_device = device if backend == "triton" else torch.device("cpu")
     device_idx, host_idx = device_idx.to(kernel_device), host_idx.to(kernel_device)
-    kwargs = dict(device_indices=device_idx, host_indices=host_idx, layout=layout, page_size=page_size, backend=backend)
+    kwargs: dict[str, Any] = dict(device_indices=device_idx, host_indices=host_idx, layout=layout, page_size=page_size, backend=backend)
 
     def load() -> None:
         for layer in range(layers):

@@ -20,8 +20,8 @@ quantization and kernel packages (torchvision, tvm_ffi, ...) that the tree never
 of those is not installed, an empty import-time stand-in is used for it, in this process only,
 and the report lists which (``sglang_stand_ins``).
 
-Usage: ``python benchmarks/tree.py --out results/tree`` (the full trace, about a minute), or
-``--quick`` (a small trace, run by the tests so the script cannot rot; its timings mean nothing).
+Usage: ``python benchmarks/tree.py --out results/tree`` (or ``python -m hicache_storage.benchmarks.tree``;
+the full trace, about a minute), or ``--quick`` (a small trace, run by the tests so the script cannot rot; its timings mean nothing).
 Writes ``tree.json`` and ``tree.md`` into ``--out``. :func:`bench_tree` and
 :func:`render_markdown` are the programmatic entry points.
 
@@ -188,6 +188,8 @@ class _Placeholder(metaclass=_PlaceholderMeta):
 
 class _StandInModule(types.ModuleType):
     """Answers any attribute with the placeholder, so ``from X import Y`` succeeds."""
+
+    __version__: str  # set on creation, for import-time version checks of the package stood in for
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

@@ -36,7 +36,9 @@ The engine
 
 Subpackages
   :mod:`~hicache_core.hybrid`: hybrid models (full attention, sliding window, recurrent state) on the same tree.
-  :mod:`~hicache_core.bench`: the multi-turn benchmark behind ``hicache-storage bench``.
+
+The multi-turn benchmark that runs this engine (``hicache-storage bench``) is
+``hicache_storage.benchmarks.multiturn``: it imports the core, never the reverse.
 """
 
 from hicache_core.controller import ControllerConfig, WritePolicy

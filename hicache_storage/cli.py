@@ -1,6 +1,6 @@
 """The ``hicache-storage`` command: list backends, run the conformance suite, benchmark a backend's I/O,
-and the commands other packages register (``bench``, from the HiCache core: see
-:mod:`hicache_storage.commands`).
+and the commands other packages register (``bench``, the multi-turn benchmark that runs the HiCache
+core: see :mod:`hicache_storage.commands`).
 
 Every bad input (an unknown command or option, a value of the wrong form, a config or store spec
 that cannot be used, a server that does not answer when the command starts) is one line on
@@ -148,7 +148,7 @@ def layer_option(args: argparse.Namespace) -> str | None:
 
 
 def run_bench_io(args: argparse.Namespace) -> int:
-    from hicache_storage.bench.io import render_markdown, run_bench_io, write_results
+    from hicache_storage.benchmarks.storage_io.measure import render_markdown, run_bench_io, write_results
     from hicache_storage.spec import open_store, store_spec
 
     page_sizes = [_usable("bench-io --page-sizes", positive_size, s) for s in args.page_sizes.split(",")]

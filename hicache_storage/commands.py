@@ -1,8 +1,8 @@
 """Commands that packages above the SDK add to ``hicache-storage``, found by entry point.
 
 The SDK imports nothing from the layers built on it; a package that has a command to offer (the
-HiCache core offers ``bench``: see this repository's pyproject.toml) declares it in the entry-point
-group ``hicache_storage.commands``::
+multi-turn benchmark, which runs the HiCache core, offers ``bench``: see this repository's
+pyproject.toml) declares it in the entry-point group ``hicache_storage.commands``::
 
     [project.entry-points."hicache_storage.commands"]
     mycommand = "mypackage.command:add_parser"

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from hicache_core.bench.experiments import branch_backup, prefilled_l3
-from hicache_core.bench.runner import BenchConfig, run_bench
-from hicache_core.bench.workload import Workload
+from hicache_storage.benchmarks.multiturn.experiments import branch_backup, prefilled_l3
+from hicache_storage.benchmarks.multiturn.runner import BenchConfig, run_bench
+from hicache_storage.benchmarks.multiturn.workload import Workload
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request
 from hicache_core.hybrid.modeled import HYBRID_SHAPES

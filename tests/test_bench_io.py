@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from hicache_storage import open_store
-from hicache_storage.bench.io import ratios, render_markdown, run_bench_io
+from hicache_storage.benchmarks.storage_io.measure import ratios, render_markdown, run_bench_io
 
 
 def test_bench_io_memory_reports_sdk_raw_and_layouts():

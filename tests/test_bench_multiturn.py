@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from hicache_core.bench.runner import BenchConfig, run_bench
-from hicache_core.bench.workload import Workload
+from hicache_storage.benchmarks.multiturn.runner import BenchConfig, run_bench
+from hicache_storage.benchmarks.multiturn.workload import Workload
 from hicache_core.controller import StopPolicy
 
 TINY = ["--clients", "3", "--rounds", "3", "--request-length", "64", "--output-length", "2", "--max-running", "2",
@@ -120,7 +120,7 @@ def test_the_cli_defaults_are_the_engine_defaults():
 def test_legs_measured_twice_keep_the_faster_of_each_speed():
     """The bound is the least time the legs allow: a slow measurement (the disk still writing back
     an earlier run) must not lower it, and a leg measured once only keeps that measurement."""
-    from hicache_core.bench.bound import Legs
+    from hicache_storage.benchmarks.multiturn.bound import Legs
 
     before = Legs(storage_write=0.2e9, storage_read=2.0e9, backup=3e9, load=1e9, prefill_tokens_per_s=1e4, decode_step_s=0.01)
     after = Legs(storage_write=0.6e9, storage_read=1.5e9, backup=2e9, load=2e9, prefill_tokens_per_s=1e4, decode_step_s=0.01)

@@ -1,4 +1,4 @@
-"""Each hicache_core package's docstring maps every one of its modules and subpackages."""
+"""Each package of the core and of the benchmarks: its docstring maps every one of its modules and subpackages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ("hicache_core", "hicache_core.hybrid", "hicache_core.bench")
+PACKAGES = (
+    "hicache_core",
+    "hicache_core.hybrid",
+    "hicache_storage.benchmarks",
+    "hicache_storage.benchmarks.multiturn",
+    "hicache_storage.benchmarks.storage_io",
+)
 
 
 @pytest.mark.parametrize("name", PACKAGES)

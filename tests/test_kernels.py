@@ -491,7 +491,7 @@ def test_plan_reuse_never_returns_a_stale_plan_after_an_in_place_change() -> Non
 
 
 def test_cpu_benchmark_reports_verified_rows_for_every_leg() -> None:
-    from hicache_storage.kernels.cpu_benchmark import measure_cpu_transfers
+    from hicache_storage.benchmarks.kernels_cpu import measure_cpu_transfers
 
     report = measure_cpu_transfers(
         layers=2, heads=1, head_dim=16, dtypes=("bfloat16",), page_size=4, pages=(3,),

@@ -107,7 +107,7 @@ def test_bench_io_times_dd_in_the_file_stores_root(tmp_path, monkeypatch):
     # It read the root from the Store (which has no config): bench-io on the file store raised
     # AttributeError after its first page size.
     from hicache_storage import open_store
-    from hicache_storage.bench import io
+    from hicache_storage.benchmarks.storage_io import measure as io
 
     seen = []
 

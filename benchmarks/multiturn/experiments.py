@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-from hicache_core.bench.runner import BenchConfig, describe, summarize
-from hicache_core.bench.workload import Served, run_workload
+from hicache_storage.benchmarks.multiturn.runner import BenchConfig, describe, summarize
+from hicache_storage.benchmarks.multiturn.workload import Served, run_workload
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hicache_storage.bench.stats import human_bytes, markdown_table
+from hicache_storage.benchmarks.stats import human_bytes, markdown_table
 
 
 def overall_table(result: dict[str, Any]) -> str:

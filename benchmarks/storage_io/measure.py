@@ -4,8 +4,8 @@ In one run, for each page size and batch size, it measures side by side:
 
 * the SDK's zero-copy path (``put_from`` / ``get_into`` on views of one host arena),
 * the SDK's copying path (``put`` of ``bytes`` / ``get`` returning ``bytes``),
-* the raw client doing the same I/O (see :mod:`hicache_storage.bench.raw`), and for the file
-  connector ``dd`` with O_DIRECT on the same disk,
+* the raw client doing the same I/O (see :mod:`~hicache_storage.benchmarks.storage_io.raw`), and
+  for the file connector ``dd`` with O_DIRECT on the same disk,
 
 and reports throughput, per-batch latency percentiles and the SDK / raw ratio. A second table
 compares host layouts for the same page: ``page_first`` (a page is 2 contiguous segments, K and
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache_storage.bench.raw import RawClient, dd_direct, make_raw
-from hicache_storage.bench.stats import human_bytes, markdown_table, percentile
+from hicache_storage.benchmarks.storage_io.raw import RawClient, dd_direct, make_raw
+from hicache_storage.benchmarks.stats import human_bytes, markdown_table, percentile
 from hicache_storage.connectors.file import FileBackend
 from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace

@@ -1,6 +1,6 @@
 """The multi-turn benchmark behind ``hicache-storage bench``. Modules:
 
-  :mod:`.command`: the ``bench`` command the core adds to the SDK's CLI (by entry point).
+  :mod:`.command`: the ``bench`` command, added to the SDK's CLI by entry point.
   :mod:`.workload`: the multi-turn workload, shaped like SGLang's ``bench_multiturn``.
   :mod:`.runner`: one workload under several tier configurations, side by side; the presets.
   :mod:`.bound`: the bound a run is held to, from its legs measured in the same run (efficiency).

@@ -1,7 +1,7 @@
-"""The ``hicache-storage bench`` command, which the core adds to the SDK's CLI by entry point.
+"""The ``hicache-storage bench`` command, added to the SDK's CLI by entry point.
 
 Registered in the ``hicache_storage.commands`` group (see :mod:`hicache_storage.commands`): the
-SDK's CLI finds it there, so the SDK never imports the core.
+SDK's CLI finds it there, so the SDK never imports this benchmark, nor the core it runs.
 """
 
 from __future__ import annotations
@@ -128,11 +128,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_vllm_bench(args)
     # Imported here, not at the top: the CLI loads this module to build its parser for every
     # command, and the runner pulls in torch.
-    from hicache_core.bench.experiments import branch_backup, prefilled_l3
-    from hicache_core.bench.report import render, write_outputs
-    from hicache_core.bench.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
-    from hicache_core.bench.workload import Workload
     from hicache_core.controller import StopPolicy, WritePolicy
+    from hicache_storage.benchmarks.multiturn.experiments import branch_backup, prefilled_l3
+    from hicache_storage.benchmarks.multiturn.report import render, write_outputs
+    from hicache_storage.benchmarks.multiturn.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
+    from hicache_storage.benchmarks.multiturn.workload import Workload
     from hicache_storage.config import load_config_source
     from hicache_storage.conformance.preflight import check_options
 

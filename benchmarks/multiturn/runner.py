@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hicache_core.bench.bound import Legs, bound_of, measure_legs
-from hicache_core.bench.workload import Served, Workload, run_workload
+from hicache_storage.benchmarks.multiturn.bound import Legs, bound_of, measure_legs
+from hicache_storage.benchmarks.multiturn.workload import Served, Workload, run_workload
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig
 from hicache_core.hybrid.model import HybridModelConfig
@@ -170,7 +170,7 @@ class TierRun:
     storage_bytes_written: int
     storage_bytes_read: int
     metrics: dict[str, float]
-    #: What the measured legs allow this run (see :mod:`hicache_core.bench.bound`); None without modeled compute.
+    #: What the measured legs allow this run (see :mod:`.bound`); None without modeled compute.
     bound: dict[str, Any] | None = None
     #: A hybrid model's SWA and checkpoint bytes moved (``load``, ``backup``, ``storage_read``), which
     #: the engine's counters (FULL pool) leave out, and the seconds its device <-> host copies took
@@ -179,7 +179,7 @@ class TierRun:
 
 
 def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
-    from hicache_storage.bench.stats import percentile
+    from hicache_storage.benchmarks.stats import percentile
 
     results = [s.result for s in served]
     ttfts = [r.ttft_s * 1e3 for r in results]
@@ -237,8 +237,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None =
     """Every tier configuration of ``config``, one after the other, each with its bound; plain data for JSON.
 
     The legs (store, copies, compute) are measured in the same process, on the geometry and
-    store of the L3 configuration (see :mod:`hicache_core.bench.bound`), before the runs and
-    again after them; each speed is the faster of the two. A timing takes a fraction of a second,
+    store of the L3 configuration (see :mod:`~hicache_storage.benchmarks.multiturn.bound`), before
+    the runs and again after them; each speed is the faster of the two. A timing takes a fraction of a second,
     and one taken while the disk still wrote back an earlier run's files read the store at a
     third of its speed: the runs then beat their bound.
     """
