@@ -230,7 +230,7 @@ def _compare(report: SoakReport, expected: list[RequestResult], got: list[Reques
 
 
 def tiny_engine_config(tiers: CacheTiers, storage_timeout_s: float | None) -> EngineConfig:
-    """The engine of the soak and of the fault matrix (``tests/test_fault_matrix.py``): :data:`MODEL`
+    """The engine of the soak and of the fault matrix (``tests/core/test_fault_matrix.py``): :data:`MODEL`
     on pools too small for a multi-turn history (pages of 4 tokens, 36 on the device, 48 on the
     host), so pages really go to storage and come back; write-through; prefetch from 8 tokens
     with the ``wait_complete`` stop policy (a request waits for what storage has); at most 2

@@ -3,7 +3,7 @@
 Each :class:`ConnectorConfig` names a configuration (``label``), its connector, the servers it
 needs and how its config is made from them. The conformance reports
 (``scripts/conformance_reports.py``, one report per label in :data:`REPORTED`) and the
-cross-connector matrix tests (``tests/connector_matrix.py``, the labels in :data:`MATRIX`) both
+cross-connector matrix tests (``tests/helpers/connector_matrix.py``, the labels in :data:`MATRIX`) both
 read it, so a configuration is written once.
 
 A config is made from ``servers`` (server name -> a started server, see :data:`SERVERS`), a
@@ -116,7 +116,7 @@ MATRIX = ("memory", "file", "redis", "redis-cluster", "s3", "mooncake", "hf3fs",
 #: Each built-in connector with the least config it takes, as README.md shows it ("The least each
 #: connector needs"): its required fields and where its server is, every other field at its
 #: default. It is the config a new user copies first, so the suite runs every connector with it
-#: too (tests/test_conformance_minimal_configs.py), not only with the tuned ones above.
+#: too (tests/conformance/test_conformance_minimal_configs.py), not only with the tuned ones above.
 MINIMAL: dict[str, ConnectorConfig] = {
     c.backend: c
     for c in (

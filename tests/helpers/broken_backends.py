@@ -5,7 +5,7 @@ redis, s3, mooncake, hf3fs, fsspec, to prove each one's backdoor) that a vendor 
 could plausibly ship and get through review: it serves most requests right and is wrong in one way (an operation, a
 capability it declares, concurrency, identity, sizes, batching, ordering, partial failure or
 persistence). ``MUTANTS`` lists them with their category and whether the cheap ``--quick`` run
-must catch them too; tests/test_conformance_detects_broken.py runs the suite against each and
+must catch them too; tests/conformance/test_conformance_detects_broken.py runs the suite against each and
 scripts/mutation_study.py publishes which clauses catch which (docs/conformance/mutation-study.md).
 """
 
@@ -941,7 +941,7 @@ class ReversedHashes(Connector):
 # Each writes pages under other names or as other bytes and undoes it on read, so every round
 # trip passes; each claims its parent's documented layout (declares its parent's backdoor), which
 # is what catches it. Not in MUTANTS: they need a server and a config
-# (tests/test_conformance_detects_broken.py runs them).
+# (tests/conformance/test_conformance_detects_broken.py runs them).
 
 #: Every byte flipped: a page stored through it is never its caller's bytes.
 _FLIP = bytes(b ^ 0xA5 for b in range(256))

@@ -25,7 +25,7 @@ from hicache_core.token_sequence import TokenSequence, chain_page_hashes
 from hicache_storage.errors import InvalidKeyError
 from hicache_storage.keys import page_hashes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- token sequences ----------------------------------------------------------------------------

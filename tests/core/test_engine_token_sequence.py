@@ -27,7 +27,7 @@ from hicache_core.token_sequence import TokenSequence
 from hicache_storage.errors import InvalidKeyError
 from hicache_storage.keys import page_hashes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = 4
 
 

@@ -25,7 +25,7 @@ from hicache_storage.registry import BUILTINS
 from hicache_storage.testing.connector_configs import MINIMAL
 from reused_store import ReusedStore
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 class MinimalConfig(ConformanceTests):

@@ -38,7 +38,7 @@ if not INTERPRETED:
             text=True,
             timeout=300,
             env=env,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
         )
         output = result.stdout + result.stderr
         assert result.returncode == 0, output
@@ -212,7 +212,7 @@ else:
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
         )
         assert result.returncode == 0, result.stdout + result.stderr
         report = json.loads((tmp_path / "kernels_gpu.json").read_text())

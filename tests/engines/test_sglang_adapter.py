@@ -572,7 +572,7 @@ def test_sglang_controller_backs_up_queries_and_prefetches_through_the_adapter(o
 
 # --- the launch examples in docs/sglang.md are valid --------------------------------------------
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "sglang.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
 
 
 def connector_config_class(name: str) -> type:

@@ -1,4 +1,4 @@
-"""The suite's measured power: it fails every seeded bug in tests/broken_backends.py.
+"""The suite's measured power: it fails every seeded bug in tests/helpers/broken_backends.py.
 
 Each mutant runs through ``hicache-storage conformance`` with ``-x`` (the run stops at the first
 failing clause): a cheap single-operation bug with ``--quick`` (whose clauses the full suite runs
@@ -6,7 +6,7 @@ too, so the full suite fails it as well), every other bug with the full suite.
 scripts/mutation_study.py runs the same study without ``-x`` and publishes, per bug, every clause
 that catches it (docs/conformance/mutation-study.md).
 
-The runs of one kind share a process or two (tests/conformance_runs.py calls the CLI's ``main``
+The runs of one kind share a process or two (tests/helpers/conformance_runs.py calls the CLI's ``main``
 once per run): the CLI's start costs seconds, more than most runs. Every run is still its own
 conformance session with its own report; each test checks one run's exit status and report.
 """
@@ -21,7 +21,7 @@ import pytest
 
 from broken_backends import MUTANTS
 
-TESTS = Path(__file__).parent
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # broken_backends and conformance_runs
 QUICK = [name for name, mutant in MUTANTS.items() if mutant.quick]
 FULL = [name for name, mutant in MUTANTS.items() if not mutant.quick]
 NAMED = [
@@ -45,7 +45,7 @@ def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -
     ``runs`` (name: [mutant, *extra]), the runs dealt out to ``processes`` processes; per name: its
     exit status, the tail of its output and its report (``None`` where its process stopped before
     that run ended)."""
-    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     argvs = {}
     for name, (mutant, *extra) in runs.items():
         (tmp_path / name).mkdir()
@@ -56,7 +56,7 @@ def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -
         share = {name: argvs[name] for name in names[i::processes]}
         runs_file = tmp_path / f"runs-{i}.json"
         runs_file.write_text(json.dumps(share))
-        command = [sys.executable, str(TESTS / "conformance_runs.py"), str(tmp_path), str(runs_file)]
+        command = [sys.executable, str(HELPERS / "conformance_runs.py"), str(tmp_path), str(runs_file)]
         started.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), share))
     ended, stderr = {}, {}
     for process, share in started:
@@ -164,7 +164,7 @@ def test_the_report_names_an_untyped_error_as_such(named_runs):
 
 # --- connectors with a server, wrong both ways: only the backdoor catches them -----------------
 
-#: Each broken connector of tests/broken_backends.py that is wrong both ways, with its parent's
+#: Each broken connector of tests/helpers/broken_backends.py that is wrong both ways, with its parent's
 #: configuration in hicache_storage.testing.connector_configs.
 BOTH_WAYS = {
     "RekeyedRedis": "redis",

@@ -33,7 +33,7 @@ PACKAGES = (
 )
 
 #: The packages that must have no import cycle. A package joins once its report (the skipped
-#: ``test_import_cycles_reported`` case, or ``python tests/test_import_graph.py``) shows none.
+#: ``test_import_cycles_reported`` case, or ``python tests/sdk/test_import_graph.py``) shows none.
 CYCLE_FREE_PACKAGES = ("hicache_core", "hicache_storage.benchmarks")
 
 

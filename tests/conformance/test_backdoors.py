@@ -1,8 +1,8 @@
 """A backdoor belongs to the class that declares it, and a subclass that names its pages otherwise passes.
 
 The backdoors themselves (hicache_storage.conformance.backdoor) run in every connector's
-conformance classes (their backdoor clauses, e.g. ``-k backdoor`` on tests/test_redis_connector.py)
-and in the published reports; tests/test_conformance_detects_broken.py shows each catches a
+conformance classes (their backdoor clauses, e.g. ``-k backdoor`` on tests/connectors/test_redis_connector.py)
+and in the published reports; tests/conformance/test_conformance_detects_broken.py shows each catches a
 connector with a server that is wrong both ways. Here: the lookup by exact class, and a correct
 subclass of the file connector, which the file connector's backdoor used to fail.
 """
@@ -31,7 +31,8 @@ from hicache_storage.keys import KeyScope, Namespace
 from hicache_storage.registry import resolve
 from hicache_storage.spec import open_store, store_spec
 
-TESTS = Path(__file__).parent
+#: What another process needs to import this module: its folder, and the helpers it imports.
+IMPORT_PATH = [Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "helpers"]
 
 
 class FileUnderOtherNames(ReversedHashes, FileBackend):
@@ -75,7 +76,7 @@ class TestFileUnderOtherNamesConformance(ConformanceTests):
 
     @pytest.fixture(autouse=True)
     def _importable_by_other_processes(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [*map(str, IMPORT_PATH), os.environ.get("PYTHONPATH")])))
 
     @pytest.fixture
     def backend_config(self, tmp_path: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from hicache_storage.cli import main as cli_main
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.layers import MetricsLayer, TimeoutLayer, find_layer, stack_layers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCOPE = KeyScope(Namespace(model="stack-tests", kv_dtype="bfloat16", page_size=16))
 EVERY_KIND = [
     {"kind": "faults", "seed": 1},

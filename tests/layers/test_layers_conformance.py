@@ -1,9 +1,9 @@
 """Each layer kind passes the whole conformance suite once over the memory connector, and one
 combined stack passes it over the file connector (persistence, other processes, zero-copy).
 
-Real servers get one combined stack each (tests/test_layers_mooncake.py); what a layer does
+Real servers get one combined stack each (tests/layers/test_layers_mooncake.py); what a layer does
 (timing, retries, trailers, counters, faults) is asserted by the behaviour tests in the other
-tests/test_layers_*.py files, which run in a fraction of a suite's time. Timeouts here are far
+tests/layers/test_layers_*.py files, which run in a fraction of a suite's time. Timeouts here are far
 above anything a memory call takes: these runs prove forwarding and semantics, not timing.
 """
 

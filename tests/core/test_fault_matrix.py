@@ -517,10 +517,13 @@ def test_writer_killed_mid_page_never_serves_a_torn_page(tmp_path):
     assert mid_page > 0, "no kill landed inside a page write: the scenario was not exercised"
 
 
+#: What the writer engine's process needs to import this module: its folder, and the helpers it imports.
+IMPORT_PATH = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "helpers")]
+
 ENGINE_WRITER = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, sys.argv[2])
+    sys.path[:0] = sys.argv[2:]
     from test_fault_matrix import Engine, engine_config, serve, WORKLOAD
     from hicache_storage import create_backend
     with Engine(engine_config(), storage=create_backend("file", {"root": sys.argv[1]})) as engine:
@@ -535,7 +538,7 @@ def test_engine_killed_while_writing_then_served_from_its_pages(tmp_path, baseli
     """An engine process is SIGKILLed while it backs pages up; a new engine on the same root serves
     bit-identical outputs and reads the pages the dead one published."""
     root = tmp_path / "kv"
-    child = subprocess.Popen([sys.executable, "-c", ENGINE_WRITER, str(root), str(Path(__file__).parent)])
+    child = subprocess.Popen([sys.executable, "-c", ENGINE_WRITER, str(root), *IMPORT_PATH])
     try:
         deadline = time.monotonic() + 120
         while (len(page_files(root)) if root.exists() else 0) < 20:
@@ -640,7 +643,7 @@ def test_every_error_kind(tmp_path, baseline):
     store through (every temporary StorageError kind, and a RuntimeError for a connector bug).
     The breaker is kept shut (it would stop the calls after three failures, and how many kinds got
     their turn would then depend on timing): what each kind does to the breaker is
-    tests/test_core_store_health.py's."""
+    tests/core/test_core_store_health.py's."""
     inner = create_backend("file", {"root": str(tmp_path / "kv")})
     erring = {
         kind: paused_faults(inner, {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
