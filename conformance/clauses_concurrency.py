@@ -11,7 +11,7 @@ copy spans many scheduling steps) and runs until it has *observed* ``concurrent_
 overlapping the calls they race with (a read during a write of the same key, two reads or two
 writes at once; timed around the calls, :class:`OverlapMeter`), within ``concurrent_budget_s``.
 A run that cannot reach that many in its budget fails and says so, rather than passing with
-less power than stated. ``docs/conformance/mutation-study.md`` publishes the detection rate per
+less power than stated. ``docs/reports/conformance/mutation-study.md`` publishes the detection rate per
 seeded race, measured with both cores busy.
 
 Mixed into :class:`~hicache_storage.conformance.suite.ConformanceTests`.

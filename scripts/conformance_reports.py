@@ -1,6 +1,6 @@
-"""Regenerate docs/conformance/: the suite's report for every connector against its real server.
+"""Regenerate docs/reports/conformance/: the suite's report for every connector against its real server.
 
-    python scripts/conformance_reports.py [--out docs/conformance] [--only NAME ...]
+    python scripts/conformance_reports.py [--out docs/reports/conformance] [--only NAME ...]
 
 Starts Redis (standalone and a 3-node cluster), SeaweedFS and two Mooncake masters on loopback,
 runs ``hicache-storage conformance`` once per configuration of the one table of connector test
@@ -40,7 +40,7 @@ def start_servers(stack: ExitStack) -> dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/conformance")
+    parser.add_argument("--out", default="docs/reports/conformance")
     parser.add_argument("--only", nargs="*", choices=REPORTED, help="report names to regenerate (default: all)")
     args = parser.parse_args()
     failures = []

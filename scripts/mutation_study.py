@@ -1,6 +1,6 @@
 """Measure the conformance suite's power: run it against every seeded bug in tests/helpers/broken_backends.py.
 
-    python scripts/mutation_study.py [--out docs/conformance/mutation-study.md] [--only NAME ...]
+    python scripts/mutation_study.py [--out docs/reports/conformance/mutation-study.md] [--only NAME ...]
                                      [--concurrency-runs 20] [--concurrency-only]
 
 For each mutant, runs ``hicache-storage conformance`` in full and with ``--quick`` (every clause,
@@ -146,7 +146,7 @@ def summarize(clauses: list[str], limit: int = 6) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "conformance" / "mutation-study.md"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "reports" / "conformance" / "mutation-study.md"))
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--concurrency-runs", type=int, default=20, help="runs per concurrency mutant under a CPU burner")
     parser.add_argument("--concurrency-only", action="store_true", help="only the concurrency detection rates")

@@ -108,7 +108,7 @@ CONFIGS: dict[str, ConnectorConfig] = {
     )
 }
 
-#: Configurations with a published conformance report (docs/conformance/<label>.md).
+#: Configurations with a published conformance report (docs/reports/conformance/<label>.md).
 REPORTED = tuple(CONFIGS)
 #: Configurations the cross-connector matrix tests run on: one per connector and server kind.
 MATRIX = ("memory", "file", "redis", "redis-cluster", "s3", "mooncake", "hf3fs", "fsspec-memory", "fsspec-s3")

@@ -4,7 +4,7 @@ Each mutant runs through ``hicache-storage conformance`` with ``-x`` (the run st
 failing clause): a cheap single-operation bug with ``--quick`` (whose clauses the full suite runs
 too, so the full suite fails it as well), every other bug with the full suite.
 scripts/mutation_study.py runs the same study without ``-x`` and publishes, per bug, every clause
-that catches it (docs/conformance/mutation-study.md).
+that catches it (docs/reports/conformance/mutation-study.md).
 
 The runs of one kind share a process or two (tests/helpers/conformance_runs.py calls the CLI's ``main``
 once per run): the CLI's start costs seconds, more than most runs. Every run is still its own

@@ -6,7 +6,7 @@ could plausibly ship and get through review: it serves most requests right and i
 capability it declares, concurrency, identity, sizes, batching, ordering, partial failure or
 persistence). ``MUTANTS`` lists them with their category and whether the cheap ``--quick`` run
 must catch them too; tests/conformance/test_conformance_detects_broken.py runs the suite against each and
-scripts/mutation_study.py publishes which clauses catch which (docs/conformance/mutation-study.md).
+scripts/mutation_study.py publishes which clauses catch which (docs/reports/conformance/mutation-study.md).
 """
 
 from __future__ import annotations
