@@ -1,6 +1,6 @@
 """The benchmarks, installed as ``hicache_storage.benchmarks``. Modules:
 
-  :mod:`.multiturn`: multi-turn serving through the core's engine, L1 / L1+L2 / L1+L2+L3 (``hicache-storage bench``).
+  :mod:`.multiturn`: multi-turn serving through the tiers, on the core's engine or a real vLLM one (``hicache-storage bench``).
   :mod:`.storage_io`: batch put / get / exists of one store, SDK vs its raw client (``hicache-storage bench-io``).
   :mod:`.stats`: percentiles and Markdown tables, shared by the two above.
   :mod:`.tree`: the radix tree's cost per round, ours vs SGLang's ``RadixCache`` (a script).

@@ -6,4 +6,5 @@
   :mod:`.bound`: the bound a run is held to, from its legs measured in the same run (efficiency).
   :mod:`.experiments`: the branch-backup and pre-filled-L3 experiments, as bench modes.
   :mod:`.report`: tables (Markdown), JSON and plots of a run.
+  :mod:`.vllm_engine`: the same workload on a real vLLM engine, L3 off vs on (``--engine vllm``, in vLLM's environment).
 """

@@ -116,14 +116,14 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         default="core",
         choices=["core", "vllm"],
         help="core: the reference engine (default); vllm: a real vLLM CPU engine, L3 off vs on, run in vLLM's "
-        "environment (hicache_storage.vllm.bench, docs/vllm.md)",
+        "environment (hicache_storage.benchmarks.multiturn.vllm_engine, docs/vllm.md)",
     )
     bench.set_defaults(run=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from hicache_storage.vllm.bench import run_vllm_bench
+        from hicache_storage.benchmarks.multiturn.vllm_engine import run_vllm_bench
 
         return run_vllm_bench(args)
     # Imported here, not at the top: the CLI loads this module to build its parser for every

@@ -204,7 +204,7 @@ def make_raw(store: Store) -> RawClient | None:
     backend = connector_of(store)
     if isinstance(backend, FileBackend):
         return FileRaw(backend.config.io_threads)
-    if isinstance(backend, RedisBackend) and not backend.config.cluster:
+    if isinstance(backend, RedisBackend) and not backend.config.is_cluster:
         return RedisRaw(backend)
     if isinstance(backend, S3Backend):
         return S3Raw(backend)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hicache_storage import open_store
 from hicache_storage.benchmarks.storage_io.measure import ratios, render_markdown, run_bench_io
 
@@ -42,3 +44,16 @@ def test_a_store_that_refuses_pages_gets_no_ratio():
     puts = [m for m in result["measurements"] if m["op"] == "put" and m["path"].startswith("sdk")]
     assert puts and all(m["failed"] == 4 for m in puts)
     assert not [r for r in ratios(result) if r["op"] == "put"]
+
+
+@pytest.mark.services
+def test_no_single_server_raw_client_for_a_cluster_given_by_startup_nodes(redis_cluster):
+    """A config naming only startup nodes is a cluster (RedisConfig.is_cluster): the raw baseline
+    must not talk to its first node as one server (keys on other slots would answer MOVED)."""
+    from hicache_storage import Store
+    from hicache_storage.benchmarks.storage_io.raw import make_raw
+    from hicache_storage.connectors.redis import RedisBackend
+
+    first, *others = redis_cluster.startup_nodes
+    with Store(RedisBackend({"url": f"redis://{first}", "startup_nodes": others})) as store:
+        assert make_raw(store) is None
