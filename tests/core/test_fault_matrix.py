@@ -45,7 +45,7 @@ import torch
 from connector_matrix import connector_config
 from hicache_core import CacheTiers, Engine, EngineConfig, RequestResult, make_conversations
 from hicache_core.soak import serve_rounds, tiny_engine_config
-from hicache_storage import KeyScope, Namespace, create_backend
+from hicache_storage import KeyScope, Namespace, Store, create_backend
 from hicache_storage.connector import Level
 from hicache_storage.health import BreakerConfig
 from hicache_storage.keys import PageKey
@@ -322,8 +322,8 @@ def test_disk_full_under_file_connector(small_filesystem, baseline):
 
     figures = Figures("disk full (tmpfs filled mid-run, then freed)", "file")
     run_scenario(figures, storage, baseline, fill, lambda: filler.unlink(),
-                 lambda: f"{storage.stats()['puts_no_space']} page writes refused for lack of space")
-    assert storage.stats()["puts_no_space"] > 0, "no write met the full disk"
+                 lambda: f"{storage.event_counts()['puts_no_space']} page writes refused for lack of space")
+    assert storage.event_counts()["puts_no_space"] > 0, "no write met the full disk"
     assert figures.failed_batches > 0, "backups refused by a full disk must count as failed batches"
 
 
@@ -358,7 +358,7 @@ def test_corrupted_files_with_integrity_are_misses(tmp_path, baseline):
 
 
 def integrity_misses(integrity: IntegrityLayer) -> int:
-    return sum(v for k, v in integrity.stats().items() if k.startswith("integrity_miss"))
+    return sum(v for k, v in integrity.event_counts().items() if k.startswith("integrity_miss"))
 
 
 def corruption_notes(corrupted: list[int], integrity: IntegrityLayer) -> str:
@@ -474,10 +474,10 @@ def test_corrupted_mooncake_objects_with_integrity_are_misses(request, tmp_path,
 WRITER = textwrap.dedent(
     """
     import sys
-    from hicache_storage import KeyScope, Namespace, create_backend
+    from hicache_storage import KeyScope, Namespace, Store, create_backend
     root, size = sys.argv[1], int(sys.argv[2])
     scope = KeyScope(Namespace("torn", "float32", 64, "page_first"))
-    store = create_backend("file", {"root": root})
+    store = Store(create_backend("file", {"root": root}))
     pages = [bytes([n]) * size for n in (0xA1, 0xB2)]
     n = 0
     print("ready", flush=True)
@@ -508,7 +508,7 @@ def test_writer_killed_mid_page_never_serves_a_torn_page(tmp_path):
             writer.wait()
         kills += 1
         mid_page += any((root / ".tmp").iterdir())  # a temp file left behind: it died inside a page write
-        with create_backend("file", {"root": str(root)}) as store:  # starting cleans the dead writer's temp files
+        with Store(create_backend("file", {"root": str(root)})) as store:  # starting cleans the dead writer's temp files
             assert not any((root / ".tmp").iterdir()), "a new backend must remove a killed writer's temp files"
             for value in store.get(keys, size):
                 torn += value is not None and value not in whole
@@ -579,8 +579,8 @@ def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label)
     store = paused_faults(create_backend(name, config), {"exists": {"vanish_rate": 0.5}})
     figures = Figures("page deleted between exists and get", label)
     run_scenario(figures, store, baseline, store.resume, store.pause,
-                 lambda: f"{store.stats()['faults_vanish']} pages deleted after exists")
-    assert store.stats()["faults_vanish"] > 0, "no page was deleted under a reader"
+                 lambda: f"{store.event_counts()['faults_vanish']} pages deleted after exists")
+    assert store.event_counts()["faults_vanish"] > 0, "no page was deleted under a reader"
     assert figures.failed_batches > 0, "reads that found pages gone must count as failed batches"
 
 
@@ -597,9 +597,9 @@ def test_backend_returning_wrong_result_counts(request, tmp_path, baseline, capl
     figures = Figures("backend returns the wrong number of results", "redis")
     with caplog.at_level(logging.ERROR, logger="hicache_core"):
         run_scenario(figures, miscount, baseline, miscount.resume, miscount.pause,
-                     lambda: f"{miscount.stats()['faults_wrong_count']} calls answered with a wrong count; store given up",
+                     lambda: f"{miscount.event_counts()['faults_wrong_count']} calls answered with a wrong count; store given up",
                      reopen=lambda: create_backend(name, config))
-    assert 1 <= miscount.stats()["faults_wrong_count"] <= 2, "calls went on after the first contract violation"
+    assert 1 <= miscount.event_counts()["faults_wrong_count"] <= 2, "calls went on after the first contract violation"
     assert figures.given_up == 1 and figures.storage_errors > 0
     [line] = [r.getMessage() for r in caplog.records if "disabled" in r.getMessage()]
     assert "BackendContractError" in line
@@ -660,9 +660,9 @@ def test_every_error_kind(tmp_path, baseline):
 
     store = RoundRobin(inner, list(erring.values()))
     figures = Figures("every error kind raised, in turn, by every call", "file")
-    raised = lambda: [kind for kind, w in erring.items() if w.stats()["faults_error"] > 0]  # noqa: E731
+    raised = lambda: [kind for kind, w in erring.items() if w.event_counts()["faults_error"] > 0]  # noqa: E731
     run_scenario(figures, store, baseline, inject, clear,
-                 lambda: f"{sum(w.stats()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}",
+                 lambda: f"{sum(w.event_counts()['faults_error'] for w in erring.values())} calls raised; kinds: {len(raised())} of {len(erring)}",
                  breaker=BreakerConfig(failures_to_open=1_000_000))
     assert raised() == TEMPORARY_KINDS, f"not every error kind was raised: {raised()}"
     assert figures.storage_errors > 0 and figures.storage_timeouts > 0, "errors and timeouts must both be counted"
@@ -677,7 +677,7 @@ def test_a_permanent_error_kind_gives_the_store_up_until_reattached(tmp_path, ba
                            {"seed": 2, **{op: {"error_rate": 1.0, "errors": [kind]} for op in ("exists", "get", "put")}})
     figures = Figures(f"permanent error kind {kind!r} on every call", "file")
     run_scenario(figures, erring, baseline, erring.resume, erring.pause,
-                 lambda: f"{erring.stats()['faults_error']} calls raised; store given up",
+                 lambda: f"{erring.event_counts()['faults_error']} calls raised; store given up",
                  reopen=lambda: create_backend("file", config))
-    assert 1 <= erring.stats()["faults_error"] <= 2, "calls went on after the first permanent error"
+    assert 1 <= erring.event_counts()["faults_error"] <= 2, "calls went on after the first permanent error"
     assert figures.given_up == 1
