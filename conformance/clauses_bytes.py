@@ -12,7 +12,7 @@ import pytest
 from hicache_storage.store import Store
 from hicache_storage.conformance.backdoor import Backdoor
 from hicache_storage.conformance.clauses import Clauses
-from hicache_storage.conformance.pages import check_page, key_digest, page_for, random_hash
+from hicache_storage.conformance.pages import assert_same_bytes, check_page, key_digest, page_for, random_hash
 from hicache_storage.keys import KeyScope
 
 MiB = 2**20
@@ -56,7 +56,7 @@ class ByteClauses(Clauses):
         assert store.get(keys[:1], size - 1) == [None], "a read one byte shorter than the page must be a miss"
         if backdoor is not None:
             for key, page in zip(keys, pages):
-                assert backdoor.get(key) == page, f"the {size}-byte page is stored as other bytes (seen through the backdoor)"
+                assert_same_bytes(backdoor.get(key), page, f"the {size}-byte page is stored as other bytes (seen through the backdoor)")
 
     # --- the caller's buffers -------------------------------------------------------------------
 
@@ -83,7 +83,7 @@ class ByteClauses(Clauses):
         target = bytearray(size)
         assert store.get_into([key], [target]) == [True]
         assert store.put([key], [page_for(key, size, 1)]) == [True]
-        assert store.get([key], size) == [page_for(key, size, 1)]
+        assert_same_bytes(store.get([key], size), [page_for(key, size, 1)], "the rewritten page")
         check_page(target, key, versions=(0,))
 
     # --- the independent read/write path (backdoor) ---------------------------------------------
@@ -99,7 +99,7 @@ class ByteClauses(Clauses):
         segmented = [[page[: len(page) // 3], page[len(page) // 3 :]] for page in pages]
         assert store.put_from(keys, segmented) == [True] * len(keys)
         for key, page in zip(keys, pages):
-            assert backdoor.get(key) == page, f"the {len(page)}-byte page is stored as other bytes"
+            assert_same_bytes(backdoor.get(key), page, f"the {len(page)}-byte page is stored as other bytes")
         assert backdoor.get(scope.key(random_hash(rng))) is None
 
     def test_get_and_exists_serve_what_the_backdoor_stored(
@@ -127,4 +127,4 @@ class ByteClauses(Clauses):
         assert store.put([keep, gone], [page_for(keep, 512), page_for(gone, 512)]) == [True, True]
         assert store.delete([gone]) == [True]
         assert backdoor.get(gone) is None, "delete reported success, but the page is still stored"
-        assert backdoor.get(keep) == page_for(keep, 512), "delete of one key changed another"
+        assert_same_bytes(backdoor.get(keep), page_for(keep, 512), "delete of one key changed another")

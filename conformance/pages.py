@@ -16,7 +16,7 @@ import functools
 import hashlib
 import random
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from hicache_storage.keys import PageKey
 
@@ -70,6 +70,60 @@ def _cached_large_page(digest: bytes, version: int, size: int) -> bytes:
 
 class PageMismatch(AssertionError):
     """A read returned bytes that are not a whole page of the key asked for."""
+
+
+Bytes = bytes | bytearray | memoryview
+
+
+def byte_difference(got: Bytes | None | Sequence[Bytes | None], expected: Bytes | None | Sequence[Bytes | None]) -> str | None:
+    """Where ``got`` first differs from ``expected``, in one short line; ``None`` when equal.
+
+    Each is a page (bytes-like, ``None`` for a miss) or a list of them. Clauses compare pages
+    through this, never with a bare ``==`` in an ``assert``: pytest explains a failed ``==`` of two
+    pages by diffing their reprs, and with ``CI`` set (where it truncates nothing) that diff runs
+    for minutes on a MiB page, so a vendor's CI would hang on the failure instead of reporting it.
+    """
+    if isinstance(expected, (bytes, bytearray, memoryview)) or expected is None:
+        return _page_difference(got, expected)  # type: ignore[arg-type]
+    if isinstance(got, (bytes, bytearray, memoryview)) or got is None:
+        return f"got {_describe(got)} where a list of {len(expected)} pages was expected"
+    if len(got) != len(expected):
+        return f"got {len(got)} pages, expected {len(expected)}"
+    for index, (one, other) in enumerate(zip(got, expected)):
+        if (difference := _page_difference(one, other)) is not None:
+            return f"page {index} of {len(expected)}: {difference}"
+    return None
+
+
+def assert_same_bytes(got: Bytes | None | Sequence[Bytes | None], expected: Bytes | None | Sequence[Bytes | None], message: str = "") -> None:
+    """Fail with ``message`` and :func:`byte_difference`'s line unless ``got`` equals ``expected``."""
+    if (difference := byte_difference(got, expected)) is not None:
+        raise AssertionError(f"{message}: {difference}" if message else difference)
+
+
+def _describe(data: Bytes | None) -> str:
+    return "a miss" if data is None else f"{len(data)} byte{'' if len(data) == 1 else 's'}"
+
+
+def _page_difference(got: Bytes | None, expected: Bytes | None) -> str | None:
+    if got is None or expected is None:
+        return None if got is None and expected is None else f"got {_describe(got)}, expected {_describe(expected)}"
+    got, expected = bytes(got), bytes(expected)
+    if got == expected:
+        return None
+    common = min(len(got), len(expected))
+    offset = common
+    for start in range(0, common, 4096):  # by blocks: a Python loop over every byte of a MiB page is slow
+        end = min(start + 4096, common)
+        if got[start:end] != expected[start:end]:
+            offset = next(i for i in range(start, end) if got[i] != expected[i])
+            break
+    if offset == common:
+        return f"got {len(got)} bytes, expected {len(expected)} (equal over the first {common})"
+    return (
+        f"{len(got)} bytes against {len(expected)}, first different at byte {offset}: "
+        f"got {got[offset : offset + 8].hex()}, expected {expected[offset : offset + 8].hex()}"
+    )
 
 
 def check_page(

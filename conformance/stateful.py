@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache_storage.store import Store
+from hicache_storage.conformance.pages import assert_same_bytes
 from hicache_storage.keys import KeyScope, PageKey
 
 SIZES = (16, 1024, 4096)
@@ -46,9 +47,10 @@ def make_machine(store: Store, scope: KeyScope) -> type[RuleBasedStateMachine]:
                 [got] = store.get([key], size)
                 if expected is None or (got is None and may_evict):
                     assert got is None or may_evict
-                    assert got is None or got == expected
+                    if got is not None:
+                        assert_same_bytes(got, expected, f"read of {key.page_hash[:12]} returned other bytes")
                 else:
-                    assert got == expected, f"read of {key.page_hash[:12]} returned other bytes"
+                    assert_same_bytes(got, expected, f"read of {key.page_hash[:12]} returned other bytes")
 
         @rule(batch=st.lists(index_st, max_size=6))
         def exists(self, batch: list[int]) -> None:

@@ -46,7 +46,7 @@ from hicache_storage.conformance.clauses_bytes import ByteClauses
 from hicache_storage.conformance.clauses_capabilities import CapabilityClauses
 from hicache_storage.conformance.clauses_concurrency import ConcurrencyClauses
 from hicache_storage.conformance.clauses_identity import SHARD_VARIANTS, IdentityClauses
-from hicache_storage.conformance.pages import random_hash
+from hicache_storage.conformance.pages import assert_same_bytes, random_hash
 from hicache_storage.errors import (
     BackendClosedError,
     InvalidArgumentError,
@@ -119,7 +119,7 @@ class CoreClauses(Clauses):
         keys = [scope.key(random_hash(rng)) for _ in range(3)]
         values = [page_bytes(rng, size, pattern) for _ in keys]
         self.write(store, keys, values)
-        assert store.get(keys, size) == values
+        assert_same_bytes(store.get(keys, size), values, f"{size}-byte {pattern} pages read back")
 
     def test_roundtrip_segments(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A page written as K and V halves reads back into any other split of the same bytes."""
@@ -138,7 +138,7 @@ class CoreClauses(Clauses):
         target = (ctypes.c_ubyte * len(data))()
         assert store.put_from([key], [RawBuffer(ctypes.addressof(source), len(data))]) == [True]
         assert store.get_into([key], [RawBuffer(ctypes.addressof(target), len(data))]) == [True]
-        assert bytes(target) == data
+        assert_same_bytes(bytes(target), data, "the page read into the raw buffer")
 
     def test_registered_buffer_roundtrip(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """I/O from and into memory announced with register_buffer (a host pool) is exact."""
@@ -152,7 +152,7 @@ class CoreClauses(Clauses):
             view[i * size : (i + 1) * size] = value
         assert store.put_from(keys, [view[i * size : (i + 1) * size] for i in range(4)]) == [True] * 4
         assert store.get_into(keys, [view[(4 + i) * size : (5 + i) * size] for i in range(4)]) == [True] * 4
-        assert [bytes(view[(4 + i) * size : (5 + i) * size]) for i in range(4)] == values
+        assert_same_bytes([view[(4 + i) * size : (5 + i) * size] for i in range(4)], values, "pages read into the registered buffer")
 
     # --- per-key results ----------------------------------------------------------------------
 
@@ -163,7 +163,7 @@ class CoreClauses(Clauses):
         self.write(store, [keys[i] for i in sorted(written)], [values[i] for i in sorted(written)])
         expected = [i in written for i in range(6)]
         assert store.exists(keys) == expected
-        assert store.get(keys, self.page_size_bytes) == [values.get(i) for i in range(6)]
+        assert_same_bytes(store.get(keys, self.page_size_bytes), [values.get(i) for i in range(6)], "pages and misses read back")
 
     def test_batch_order(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         keys = [scope.key(random_hash(rng)) for _ in range(40)]
@@ -449,7 +449,7 @@ class CoreClauses(Clauses):
         assert pools.get_into("kv", [page_hash], targets[:1]) == [True]
         assert pools.get_into("swa", [page_hash], targets[1:2]) == [True]
         assert pools.get_into("mamba", [page_hash], targets[2:]) == [False]
-        assert (bytes(targets[0]), bytes(targets[1])) == (kv_value, swa_value)
+        assert_same_bytes(targets[:2], [kv_value, swa_value], "the kv and swa pages of one hash")
 
     def test_multipool_delete_in_one_pool_leaves_the_others(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         self.require(store, "delete")
@@ -463,7 +463,7 @@ class CoreClauses(Clauses):
         for name in ("kv", "indexer", "mamba"):
             target = bytearray(POOL_PAGE_BYTES)
             assert pools.get_into(name, [page_hash], [target]) == [True]
-            assert bytes(target) == values[name], f"deleting a swa page changed the {name} page"
+            assert_same_bytes(target, values[name], f"deleting a swa page changed the {name} page")
 
     def test_multipool_checkpoint_is_stored_under_its_last_page(self, store: Store, scope: KeyScope, rng: random.Random) -> None:
         """A recurrent checkpoint valid at cut c lives under page c - 1's hash: the prefix ends at the
@@ -512,7 +512,8 @@ class CoreClauses(Clauses):
         assert pools.put("kv", chain, pages) == [True] * 3
         targets = [[bytearray(len(segment)) for segment in page] for page in pages]
         assert pools.get_into("kv", chain, targets) == [True] * 3
-        assert [[bytes(segment) for segment in page] for page in targets] == pages
+        for index, (page, target_page) in enumerate(zip(pages, targets)):
+            assert_same_bytes(target_page, page, f"the segments of page {index}")
 
 
 class ConformanceTests(ConcurrencyClauses, CapabilityClauses, ByteClauses, IdentityClauses, CoreClauses):

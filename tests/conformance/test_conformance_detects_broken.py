@@ -45,7 +45,9 @@ def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -
     ``runs`` (name: [mutant, *extra]), the runs dealt out to ``processes`` processes; per name: its
     exit status, the tail of its output and its report (``None`` where its process stopped before
     that run ended)."""
-    env = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # CI set as in a vendor's CI, where pytest truncates no failure explanation (a clause that
+    # left pytest to explain a failed == of MiB pages ran for minutes there, never here)
+    env = {**os.environ, "CI": "true", "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     argvs = {}
     for name, (mutant, *extra) in runs.items():
         (tmp_path / name).mkdir()
@@ -58,7 +60,7 @@ def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -
         runs_file.write_text(json.dumps(share))
         command = [sys.executable, str(HELPERS / "conformance_runs.py"), str(tmp_path), str(runs_file)]
         started.append((subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), share))
-    ended, stderr = {}, {}
+    ended, stderr, status = {}, {}, {}
     for process, share in started:
         try:
             out, err = process.communicate(timeout=300 * len(share))
@@ -67,12 +69,14 @@ def run_suites(runs: dict[str, list[str]], tmp_path: Path, processes: int = 1) -
             out, err = process.communicate()
         ended |= {line["name"]: line["exit"] for line in map(json.loads, out.splitlines())}
         stderr |= dict.fromkeys(share, err)
+        code = process.returncode
+        status |= dict.fromkeys(share, f"killed by signal {-code}" if code < 0 else f"exit status {code}")
     results = {}
     for name, (mutant, *_) in runs.items():
         log = tmp_path / f"{name}.log"
         output = log.read_text() if log.exists() else ""
         if name not in ended:
-            output += f"\n[the process running this suite stopped before it ended]\n{stderr[name][-3000:]}"
+            output += f"\n[the process running this suite stopped before it ended: {status[name]}]\n{stderr[name][-3000:]}"
         report_file = tmp_path / name / f"broken_backends-{mutant}.json"
         report = json.loads(report_file.read_text()) if name in ended and report_file.exists() else None
         results[name] = {"exit": ended.get(name), "output": output, "report": report}

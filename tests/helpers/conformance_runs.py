@@ -33,7 +33,8 @@ def run_logged(argv: list[str], log: Path) -> int:
     with log.open("w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
-        faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True)
+        # to the log's own descriptor: pytest's capture moves fd 2 elsewhere during each clause
+        faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True, file=out)
         try:
             return main(argv)
         except SystemExit as exc:  # pytest.UsageError and argparse exit through here
