@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from hicache_storage.commands import UsageError, add_plugin_commands
+from hicache_storage.commands import UsageError, add_plugin_commands, at_least
 from hicache_storage.config import parse_size
 from hicache_storage.conformance.preflight import one_line
 from hicache_storage.errors import StorageError
@@ -115,17 +115,6 @@ def positive_size(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    """A whole number above 0, as an option's value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text.strip()!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _usable(option: str, parse: Callable[[str], T], text: str) -> T:
     """``parse(text)``, or a :class:`UsageError` naming ``option`` (for options parsed after argparse)."""
     try:
@@ -152,7 +141,7 @@ def run_bench_io(args: argparse.Namespace) -> int:
     from hicache_storage.spec import open_store, store_spec
 
     page_sizes = [_usable("bench-io --page-sizes", positive_size, s) for s in args.page_sizes.split(",")]
-    batch_sizes = [_usable("bench-io --batch-sizes", positive_int, s) for s in args.batch_sizes.split(",")]
+    batch_sizes = [_usable("bench-io --batch-sizes", at_least(1), s) for s in args.batch_sizes.split(",")]
     bytes_per_case = _usable("bench-io --bytes-per-case", positive_size, args.bytes_per_case)
     with open_store(store_spec(args.backend, args.config, layer_option(args))) as store:
         result = run_bench_io(store, page_sizes=page_sizes, batch_sizes=batch_sizes, bytes_per_case=bytes_per_case)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 
 COMMANDS_GROUP = "hicache_storage.commands"
@@ -25,6 +26,35 @@ COMMANDS_GROUP = "hicache_storage.commands"
 
 class UsageError(Exception):
     """A command's arguments are unusable: the CLI prints the message as one line and exits 2."""
+
+
+# --- argparse types a command's options share (a bad value: one line, exit 2) ----------------
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text.strip()!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_rate(text: str) -> float:
+    """An argparse ``type``: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text.strip()!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text.strip()}")
+    return value
 
 
 def add_plugin_commands(commands: argparse._SubParsersAction) -> None:

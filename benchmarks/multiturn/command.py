@@ -7,39 +7,12 @@ SDK's CLI finds it there, so the SDK never imports this benchmark, nor the core 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
-from hicache_storage.commands import UsageError
+from hicache_storage.commands import UsageError, at_least, positive_rate
 
 #: L1 (and L2) of a branch-backup run unless --device-tokens says otherwise.
 BRANCH_BACKUP_DEVICE_TOKENS = 32768
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number no smaller than ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text.strip()!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def positive_rate(text: str) -> float:
-    """An argparse ``type``: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text.strip()!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text.strip()}")
-    return value
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
