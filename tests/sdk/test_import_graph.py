@@ -165,8 +165,6 @@ def test_no_import_cycle(package, report):
     assert not report[package], f"import cycles through {package}: {_describe(report[package])}"
 
 
-
-
 def test_graph_reads_the_packages():
     """The parser sees real edges (a vacuous graph would have no cycle either)."""
     graph = import_graph()
