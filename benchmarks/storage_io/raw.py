@@ -1,7 +1,9 @@
 """The raw client doing the same I/O as a connector, so the SDK's overhead shows as a ratio.
 
 Each baseline moves the same pages (same sizes, same batch, same concurrency where the connector
-has a knob for it) with the client library alone: no keys, no validation, no result checks.
+has a knob for it) with the client library alone: no keys, no validation, no result checks. The
+benchmark gives it the same fresh names on every put pass as the SDK gets keys, and has it
+``delete`` each pass's pages once measured, so both hold the same bytes and write the same way.
 ``make_raw(backend)`` returns the baseline for a connector, or ``None`` when there is none.
 """
 
@@ -34,6 +36,9 @@ class RawClient(Protocol):
     def get(self, names: list[str], pages: list[memoryview]) -> None: ...
 
     def exists(self, names: list[str]) -> None: ...
+
+    def delete(self, names: list[str]) -> None:
+        """Remove these pages, each written by this client (the benchmark does not time it)."""
 
     def close(self) -> None: ...
 
@@ -69,6 +74,9 @@ class FileRaw:
 
     def exists(self, names: list[str]) -> None:
         list(self.pool.map(lambda n: (self.root / n).exists(), names))
+
+    def delete(self, names: list[str]) -> None:
+        list(self.pool.map(lambda n: (self.root / n).unlink(), names))
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -106,6 +114,9 @@ class RedisRaw:
             pipe.exists(name)
         pipe.execute()
 
+    def delete(self, names: list[str]) -> None:
+        self.client.unlink(*names)
+
     def close(self) -> None:
         self.client.close()
 
@@ -114,6 +125,8 @@ class S3Raw:
     """boto3 put_object / get_object / head_object on a thread pool, same endpoint and bucket."""
 
     label = "boto3"
+    #: Most keys one DeleteObjects request may name (S3's limit).
+    DELETE_BATCH = 1000
 
     def __init__(self, backend: S3Backend) -> None:
         import boto3
@@ -144,6 +157,18 @@ class S3Raw:
     def exists(self, names: list[str]) -> None:
         list(self.pool.map(lambda n: self.client.head_object(Bucket=self.bucket, Key=n), names))
 
+    def delete(self, names: list[str]) -> None:
+        for start in range(0, len(names), self.DELETE_BATCH):
+            objects = [{"Key": name} for name in names[start : start + self.DELETE_BATCH]]
+            response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise RuntimeError(
+                    f"S3 bucket {self.bucket!r} refused to delete {len(errors)} of the raw baseline's "
+                    f"{len(objects)} objects, e.g. {first.get('Key')!r}: {first.get('Code')} {first.get('Message', '')}".rstrip()
+                )
+
     def close(self) -> None:
         self.pool.shutdown()
 
@@ -153,6 +178,8 @@ class MooncakeRaw:
     object (one process holds one Mooncake client), from memory registered with it."""
 
     label = "mooncake batch_*_from/into"
+    #: Mooncake's return code for a key it does not hold (mooncake-store/include/types.h).
+    OBJECT_NOT_FOUND = -704
 
     def __init__(self, backend: MooncakeBackend) -> None:
         self.store = backend._store  # the connector's client: one setup, one registration table
@@ -171,6 +198,16 @@ class MooncakeRaw:
 
     def exists(self, names: list[str]) -> None:
         self.store.batch_is_exist(names)
+
+    def delete(self, names: list[str]) -> None:
+        # Forced: this client's own reads just took read leases on these objects, and nothing
+        # else reads them; unforced, each removal would wait the lease out (lease_ttl_s).
+        # Not found is no error: a put this baseline does not check may have been refused (a full segment).
+        codes = self.store.batch_remove(names, True)
+        refused = [(name, code) for name, code in zip(names, codes) if code not in (0, self.OBJECT_NOT_FOUND)]
+        if refused:
+            name, code = refused[0]
+            raise RuntimeError(f"Mooncake refused to remove {len(refused)} of the raw baseline's {len(names)} objects, e.g. {name!r}: code {code}")
 
     def close(self) -> None:
         """Nothing to release: the store belongs to the connector, which closes it."""
@@ -194,6 +231,10 @@ class MemoryRaw:
 
     def exists(self, names: list[str]) -> None:
         [name in self.pages for name in names]
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            del self.pages[name]
 
     def close(self) -> None:
         self.pages.clear()
