@@ -23,7 +23,7 @@ The cache controller and its threads
   :mod:`~hicache_core.side_pools`: hybrid components' pools in a backup or prefetch (one op moves every pool).
   :mod:`~hicache_core.storage_calls`: how the threads call storage: never raising, breaker, giving a store up.
   :mod:`~hicache_core.pin_cap`: the cap on host pages pinned by abandoned storage calls, and buffers at it.
-  :mod:`~hicache_core.suspects`: pages the store reported but could not read back (rewritten by backups).
+  :mod:`~hicache_core.page_sets`: page hashes remembered about the store: reported but unreadable (rewritten by backups), and known stored.
   :mod:`~hicache_core.op_thread`: one daemon thread serving a queue of operations in order.
 
 The engine

@@ -48,6 +48,9 @@ class Admission:
         prefetcher = self.controller.prefetcher
         if prefetcher is None:
             return
+        # What the request computes unless storage serves some of it: the compute queued ahead
+        # of later requests' loads (the cost model's view; see hicache_storage.cost).
+        self.controller.cost.enqueue(request.rid, len(request.tokens) - match.matched_length)
         live.prefetch = prefetcher.plan(request.rid, matchable, match)
         if live.prefetch is not None:
             live.pinned = match.host_node
@@ -84,6 +87,7 @@ class Admission:
                     continue
                 self._take_prefetch(live, op)
             if blocked:
+                self._refetch_early(live)
                 continue
             if self._failed == (live, self._memory_epoch()):
                 blocked = True  # nothing was given back since it last failed
@@ -113,6 +117,23 @@ class Admission:
             blocked = True
         return admitted
 
+    def _refetch_early(self, live: Live) -> None:
+        """A request waiting behind others whose cached prefix was evicted meanwhile fetches it
+        back now, not once it reaches the head of the queue: its read then runs while the
+        requests before it load and compute (in a long-history round, half the requests wait
+        for the memory of the other half, and lose their host copies to those requests' loads).
+        Checked once per memory epoch: a match per waiting request per step would cost the
+        scheduler more than the rare loss it finds."""
+        if live.prefetch is not None or live.refetched or self.controller.storage is None:
+            return
+        epoch = self._memory_epoch()
+        if live.lost_checked_at == epoch:
+            return
+        live.lost_checked_at = epoch
+        if self.prefix_lost(live):
+            live.refetched = True
+            self.plan_prefetch(live)
+
     def _memory_epoch(self) -> tuple[int, ...]:
         """Counts that move whenever memory may have become free or evictable: tree unlocks and
         host releases, copies and backups applied, and pages given back to any allocator (the
@@ -130,13 +151,21 @@ class Admission:
         prefetcher = self.controller.prefetcher
         assert prefetcher is not None
         live.prefetch = None
+        if op.stored_pages:
+            live.stored_span = (op.start, op.start + op.stored_pages * prefetcher.page_size)
         live.storage_tokens = prefetcher.finish(op) or 0
         self.unpin(live)
         if live.storage_tokens:
             # Hold what was fetched until the request starts: waiting for device memory,
             # it would otherwise lose the pages to other requests' host allocations.
-            live.pinned = self.tree.match_prefix(self.matchable(live)).host_node
+            match = self.tree.match_prefix(self.matchable(live))
+            live.pinned = match.host_node
             self.tree.lock(live.pinned)
+            if not self.config.controller.buffer_only:  # (there host copies count as no hit)
+                # What it fetched is part of its cached prefix now: lost while it waits (a head
+                # short of memory took the pin: unpin_waiting), it is fetched back once, as an
+                # evicted prefix is, instead of recomputed.
+                live.planned_match = max(live.planned_match, match.matched_length)
         # The host capacity its read held is free now: let the next reads run while this
         # request loads and computes, not after.
         self.issue_planned()

@@ -22,14 +22,17 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from hicache_storage.cost import CostModel
 from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
 from hicache_core.op_thread import OpThread
 from hicache_core.pin_cap import PinCap, private_copy
-from hicache_core.suspects import SuspectPages
+from hicache_core.page_sets import PageSet
 from hicache_core.radix_tree import TreeNode
 from hicache_core.side_pools import PoolPages
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
@@ -48,16 +51,46 @@ class BackupOp:
     stored_pages: int = 0
 
 
-class StorageBackup:
-    """The backup thread and its queue; acknowledgements come back in completion order."""
+#: The longest a backup batch waits for reads (then it goes anyway: backups are never starved).
+YIELD_LIMIT_S = 0.5
+YIELD_POLL_S = 0.002
+#: Pages read back after a put while the store's reads are not timed (see ``_probe_reads``).
+PROBE_PAGES = 4
 
-    def __init__(self, metrics: CacheMetrics, batch_pages: int, suspects: SuspectPages, pin_cap: PinCap) -> None:
+
+class StorageBackup:
+    """The backup thread and its queue; acknowledgements come back in completion order.
+
+    Backups yield to reads: while loading a page from the store costs more than computing it
+    (``cost``, with pages of ``page_tokens``) and ``reads_pending``, a batch waits for the reads
+    (at most ``YIELD_LIMIT_S``; counted in ``storage_backup_yield_seconds``)."""
+
+    def __init__(
+        self,
+        metrics: CacheMetrics,
+        batch_pages: int,
+        suspects: PageSet,
+        pin_cap: PinCap,
+        *,
+        stored: PageSet,
+        cost: CostModel,
+        page_tokens: int,
+        reads_pending: Callable[[], bool],
+    ) -> None:
         self.metrics = metrics
         self.batch_pages = batch_pages
         self.suspects = suspects
+        #: The FULL pool's pages known stored (the prefetcher's record; see ``Prefetcher.stored``).
+        self.stored = stored
         self.pin_cap = pin_cap
-        #: Ops submitted and not taken back yet.
+        self.cost = cost
+        self.page_tokens = page_tokens
+        self.reads_pending = reads_pending
+        #: Ops submitted and not taken back yet, and their FULL pages (the backlog's size).
         self.outstanding = 0
+        self.queued_pages = 0
+        #: Resident buffers the read probe reads into (made on first use).
+        self._probe_buffers: list[Any] = []
         self._thread: OpThread[BackupOp] = OpThread("hicache-backup")
         self._acks: queue.SimpleQueue[BackupOp] = queue.SimpleQueue()
 
@@ -77,6 +110,7 @@ class StorageBackup:
         for pages in op.pools:
             pages.pin()
         self.outstanding += 1
+        self.queued_pages += len(op.pools[0].hashes) if op.pools else 0
         self._thread.put(op)
 
     def acknowledged(self) -> int:
@@ -86,7 +120,9 @@ class StorageBackup:
     def take(self) -> BackupOp:
         """The next completed op (one is ``acknowledged``)."""
         self.outstanding -= 1
-        return self._acks.get()
+        op = self._acks.get()
+        self.queued_pages -= len(op.pools[0].hashes) if op.pools else 0
+        return op
 
     def _serve(self, store: MultiPoolStore, health: StorageHealth, writer: bool, op: BackupOp) -> None:
         try:
@@ -119,6 +155,8 @@ class StorageBackup:
         suspects = self.suspects
         rewrite = suspects.among(pool.hashes[:present]) if pool.rewrite_suspects else []
         op.stored_pages += present - len(rewrite)
+        if pool.rewrite_suspects:
+            self.stored.add(pool.hashes[:present])
         self.metrics.add(storage_backup_skipped_pages=present - len(rewrite))
         pages = [*rewrite, *range(present, len(keys))]
         begin = 0
@@ -128,6 +166,8 @@ class StorageBackup:
             granted = self.pin_cap.acquire(want) if capped else want
             batch = pages[begin : begin + want]
             begin += want
+            self._yield_to_reads(pool.page_bytes)
+            called = time.perf_counter()
             if granted:
                 try:
                     results = guarded_call(
@@ -148,11 +188,58 @@ class StorageBackup:
                     self.metrics, lambda: store.store.put_from([keys[i] for i in batch], sources), None, "put", lambda exc: None, health=health
                 )
             stored = leading_successes(results)
+            took = time.perf_counter() - called
+            if results is not None and stored == len(batch):
+                self.cost.record_write(stored * pool.page_bytes, took)
+                if capped and self.cost.adaptive and not self.cost.reads_timed:
+                    self._probe_reads(store, health, [keys[i] for i in batch], [pool.buffers[i] for i in batch])
+            self._keep_duty(pool.page_bytes, took)
             if pool.rewrite_suspects:
                 suspects.forget(pool.hashes[i] for i in batch[:stored])
+                self.stored.add(pool.hashes[i] for i in batch[:stored])
             op.stored_pages += stored
             self.metrics.add(storage_backup_pages=stored, storage_backup_bytes=stored * pool.page_bytes)
             if results is None or stored < len(results):
                 self.metrics.add(storage_backup_failed_batches=1)
                 return False
         return True
+
+    def _probe_reads(self, store: MultiPoolStore, health: StorageHealth, keys: list[Any], like: list[Any]) -> None:
+        """Read back a few pages just written, into buffers of the thread's own, to time the
+        store's reads: the cost model needs them before an engine's first loads (reads from a
+        store too slow to load from would otherwise go untimed while write-through fills it)."""
+        count = min(PROBE_PAGES, len(keys))
+        while len(self._probe_buffers) < count:
+            self._probe_buffers.append(private_copy(like[len(self._probe_buffers)], fill=True))  # resident: written once
+        called = time.perf_counter()
+        results = guarded_call(self.metrics, lambda: store.store.get_into(keys[:count], self._probe_buffers[:count]), None, "get", health=health)
+        if results is not None and all(results):
+            page_bytes = sum(s.numel() * s.element_size() for s in (like[0] if isinstance(like[0], (list, tuple)) else [like[0]]))
+            self.cost.record_read(count * page_bytes, time.perf_counter() - called)
+
+    def _keep_duty(self, page_bytes: int, took: float) -> None:
+        """While the store is the slow leg, a store k times slower to load a page from than to
+        compute it gives backups 1/k of its time: after a put of ``took`` seconds the thread rests
+        ``took x (k - 1)``. Its queue then grows, and write-through defers what it cannot take
+        (``CacheController._defers``): pages nobody is likely to load (loads from a slow store
+        take only the head a busy engine has time for) do not cost the engine's machine."""
+        if not self.cost.store_is_slow_leg(page_bytes, self.page_tokens):
+            return
+        load = self.cost.load_s_per_page(page_bytes)
+        compute = self.cost.compute_s_per_page(self.page_tokens)
+        assert load is not None and compute is not None  # both timed: the store is the slow leg
+        rest = min(took * (load / compute - 1.0), YIELD_LIMIT_S)
+        time.sleep(rest)
+        self.metrics.add(storage_backup_yield_seconds=rest)
+
+    def _yield_to_reads(self, page_bytes: int) -> None:
+        """Wait while reads are pending and the store is the slow leg (see the class docstring)."""
+        if not self.cost.store_is_slow_leg(page_bytes, self.page_tokens):
+            return
+        started = time.perf_counter()
+        waited = 0.0
+        while self.reads_pending() and waited < YIELD_LIMIT_S:
+            time.sleep(YIELD_POLL_S)
+            waited = time.perf_counter() - started
+        if waited:
+            self.metrics.add(storage_backup_yield_seconds=waited)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_storage.connector import Level
+from hicache_storage.cost import CostConfig, CostModel
 from hicache_storage.health import BreakerConfig, BreakerState, CircuitBreaker
 from hicache_storage.keys import KeyScope
 from hicache_storage.multipool import MultiPoolStore, PoolSpec
@@ -88,6 +89,13 @@ class ControllerConfig:
     backfill: bool = True
     #: When the store counts as unhealthy (no data calls) and how it is probed.
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    #: Load or recompute: which stored pages a prefetch reads (``cost.policy``: ``cost``, the
+    #: pages that arrive before computing them would be done, or ``all``), and when write-through
+    #: to storage yields to reads (see :mod:`hicache_storage.cost`).
+    cost: CostConfig = field(default_factory=CostConfig)
+    #: Write-through degrades to selective (see ``CacheController._defers``) while the storage
+    #: backups queued would take longer than this to write at the store's measured speed.
+    backup_lag_s: float = 1.0
     #: The most host pages that storage calls abandoned on a timeout may pin, as a fraction of
     #: the host pool; at the cap, calls go through private buffers (a copy) instead. (Applies
     #: with ``storage_timeout_s``; without it no call is abandoned.)
@@ -108,6 +116,7 @@ class CacheController:
         *,
         metrics: CacheMetrics | None = None,
         tp: TPContext | None = None,
+        compute_tokens_per_s: float | None = None,
     ) -> None:
         self.config = config
         self.tree = tree
@@ -116,6 +125,9 @@ class CacheController:
         self.metrics = metrics or CacheMetrics()
         self.tp = tp or TPContext()
         self.page_size = device.page_size
+        #: The speeds of the store, the copies and the compute, and the compute queued: what a
+        #: prefetch loads and when backups yield (the engine reports its compute to it).
+        self.cost = CostModel(config.cost, compute_tokens_per_s=compute_tokens_per_s)
         self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
         self.storage: Store | None = None
         self.scope: KeyScope | None = None
@@ -126,6 +138,9 @@ class CacheController:
         self.storage_health: StorageHealth | None = None
         #: Device -> host copies and storage backups applied so far (agreed across ranks).
         self.completions = 0
+        #: While the store is the slow leg, pages a write-through backup may still write: each
+        #: node offered earns the share of stored pages loads take (``CostModel.load_share``).
+        self._write_credit = 0.0
         #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
         #: Loads in flight: the load, its target node, where its range starts, the nodes it fills.
         self._loads: list[tuple[LayerLoad, TreeNode, int, list[TreeNode]]] = []
@@ -152,12 +167,33 @@ class CacheController:
         self.pin_cap = PinCap(host.allocator, cap) if host is not None else None
         self.prefetcher = (
             Prefetcher(
-                config.prefetch, tree, host, self.alloc_host, metrics=self.metrics, tp=self.tp, batch_pages=config.batch_pages, pin_cap=self.pin_cap
+                config.prefetch,
+                tree,
+                host,
+                self.alloc_host,
+                metrics=self.metrics,
+                tp=self.tp,
+                batch_pages=config.batch_pages,
+                pin_cap=self.pin_cap,
+                cost=self.cost,
             )
             if host is not None and self.pin_cap is not None
             else None
         )
-        self.backup = StorageBackup(self.metrics, config.batch_pages, self.prefetcher.suspects, self.prefetcher.pin_cap) if self.prefetcher else None
+        self.backup = (
+            StorageBackup(
+                self.metrics,
+                config.batch_pages,
+                self.prefetcher.suspects,
+                self.prefetcher.pin_cap,
+                stored=self.prefetcher.stored,
+                cost=self.cost,
+                page_tokens=self.page_size,
+                reads_pending=self.prefetcher.reads_pending,
+            )
+            if self.prefetcher
+            else None
+        )
 
     # --- storage attachment -------------------------------------------------------------------
 
@@ -271,6 +307,8 @@ class CacheController:
         policy = self.config.write_policy
         for node in self.tree.path(result.last_node):
             if node.host_value is not None:
+                if node.backup_deferred and node.hit_count >= self.config.selective_hits:
+                    self._queue_storage_backup(node)  # hit again: selective backs it up now
                 if self.config.backfill and self.components:
                     self._backfill(node)
                 continue
@@ -308,6 +346,11 @@ class CacheController:
         points, or their trees would diverge."""
         if self.storage is None or node.host_value is None:
             return
+        if full and self._defers(node):
+            node.backup_deferred = True
+            self.metrics.add(storage_backup_deferred=1)
+            return
+        node.backup_deferred = False
         assert self.host is not None and self.scope is not None
         pools = backup_pages(node, self.components)
         if full:
@@ -320,6 +363,33 @@ class CacheController:
             node.stored = True
         assert self.backup is not None
         self.backup.submit(BackupOp(node, begin, pools))
+
+    def _defers(self, node: TreeNode) -> bool:
+        """Whether ``node``'s storage backup waits for its next hit (agreed by every rank):
+        write-through degrades towards selective while the store lags. It lags when the backups
+        queued would take it longer than ``backup_lag_s`` to write (no node is queued then), or
+        when loading a page from it costs more than computing it: then loads take only the head
+        a busy engine's compute hides (``CostModel.load_share`` of the stored pages), and a
+        backup only serves loads to come, so a node waits until it was hit ``selective_hits``
+        times and its pages fit the write credit the nodes offered so far earned at that share
+        (a store whose pages are seldom loaded is seldom written)."""
+        config = self.config
+        if config.write_policy is not WritePolicy.WRITE_THROUGH or config.buffer_only or not self.cost.adaptive:
+            return False
+        assert self.host is not None and self.backup is not None
+        page_bytes = self.host.page_bytes
+        write_s = self.cost.write_s_per_byte()
+        lags = write_s is not None and self.backup.queued_pages * page_bytes * write_s > config.backup_lag_s
+        share = 1.0
+        if not lags and self.cost.store_is_slow_leg(page_bytes, self.page_size):
+            share = self.cost.load_share(page_bytes, self.page_size)
+            pages = len(node.page_hashes)
+            lags = node.hit_count < config.selective_hits or self._write_credit + share * pages < pages
+        defers = bool(self.tp.scheduler.all_max(int(lags)))
+        if share < 1.0:  # the pages offered earn the share loads take; a write spends its pages
+            pages = len(node.page_hashes)
+            self._write_credit = min(self._write_credit + share * pages - (0 if defers else pages), float(config.batch_pages))
+        return defers
 
     def _drop_staging(self, node: TreeNode, *, components: bool = True) -> None:
         """Buffer-only: the host copy was only staging; free it once nothing reads it (with
@@ -372,6 +442,8 @@ class CacheController:
 
         def on_done(load: LayerLoad) -> None:
             self.metrics.add(load_back_tokens=load.tokens, load_back_bytes=bytes_moved, load_back_seconds=load.seconds)
+            if load.error is None:
+                self.cost.record_copy(bytes_moved, load.seconds)
 
         load = self.transfers.load(device_indices, host_indices, on_done)
         # The lock keeps the nodes; this keeps the host pages the load reads (a locked node's host

@@ -88,8 +88,17 @@ class Engine:
         )
         self.runner.attach(self.tree)
         self.controller = CacheController(
-            config.controller, self.tree, self.device_pool, self.host_pool, metrics=self.metrics, tp=self.tp
+            config.controller,
+            self.tree,
+            self.device_pool,
+            self.host_pool,
+            metrics=self.metrics,
+            tp=self.tp,
+            compute_tokens_per_s=config.compute.prefill_tokens_per_s if config.compute is not None else None,
         )
+        gpu = self.runner.gpu
+        if gpu is not None:  # the work queued on the modeled GPU is compute ahead of any new request
+            self.controller.cost.busy_for_s = lambda: gpu.free_at - time.perf_counter()
         self.sessions = SessionTable(self.tree)
         self._running: list[Live] = []
         self.admission = Admission(config, self.tree, self.controller, self._running)
@@ -289,15 +298,22 @@ class Engine:
         result.cached_storage = min(inserted, loaded)
         result.cached_host = loaded - result.cached_storage
         result.computed = len(request.tokens) - live.prefix_len
+        stored_start, stored_end = live.stored_span
+        result.stored_recomputed = max(0, min(stored_end, len(request.tokens)) - max(stored_start, live.prefix_len))
         self.metrics.add(
             prompt_tokens=len(request.tokens),
             device_hit_tokens=result.cached_device,
             host_hit_tokens=result.cached_host,
             storage_hit_tokens=result.cached_storage,
             computed_tokens=result.computed,
+            storage_recomputed_tokens=result.stored_recomputed,
         )
+        self.controller.cost.started(request.rid)
         new_tokens = request.tokens[live.prefix_len :]
+        computing = time.perf_counter()
         self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
+        if self.runner.gpu is None:  # a real forward pass on this thread: its time is the compute rate
+            self.controller.cost.record_compute(len(new_tokens), time.perf_counter() - computing)
         first_token = time.perf_counter()
         if self.runner.gpu is not None:  # queued on the modeled GPU: the token exists when it ends
             first_token = max(first_token, self.runner.gpu.free_at)

@@ -19,6 +19,8 @@ class CacheCounters:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     computed_tokens: int = 0
+    #: of computed_tokens, those the store held (see RequestResult.stored_recomputed)
+    storage_recomputed_tokens: int = 0
     #: engine steps that decoded (one batched forward each)
     decode_steps: int = 0
     # device <-> host
@@ -47,6 +49,20 @@ class CacheCounters:
     prefetch_dropped_tokens: int = 0
     #: best_effort prefetches whose request stopped waiting before anything arrived, left to land in the tree
     prefetch_left_to_land: int = 0
+    # load or recompute (the cost model, hicache_storage.cost)
+    #: stored pages the cost model chose to compute rather than load, and prefetches it dropped
+    #: whole (what was worth loading fell below the threshold)
+    prefetch_declined_pages: int = 0
+    prefetch_declined_by_cost: int = 0
+    #: of those, prefetches whose store was not even asked: all it could hold was too little
+    #: (the pages declined then count only those known stored: written or read by this engine)
+    prefetch_lookups_skipped: int = 0
+    #: prefetches stopped because the pages still to come would arrive after computing them
+    prefetch_stopped_by_cost: int = 0
+    #: storage backups deferred to the node's next hit (write-through degraded to selective while
+    #: the store is the slow leg), and seconds backups waited for reads
+    storage_backup_deferred: int = 0
+    storage_backup_yield_seconds: float = 0.0
     # faults
     storage_errors: int = 0
     storage_timeouts: int = 0

@@ -1,4 +1,6 @@
-"""Pages the store reported yet could not read back: the backup rewrites them instead of skipping them."""
+"""Bounded sets of page hashes the core remembers about its store: pages the store reported yet
+could not read back (the backup rewrites them instead of skipping them), and pages the engine's
+backups stored (what the store holds, known without asking it)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 
-class SuspectPages:
-    """Hashes of pages the store reported yet could not read back: candidates for a rewrite.
-
-    Bounded: past ``capacity`` the oldest are forgotten (their pages stay as they are, as they
-    would without this record). Thread-safe: the prefetch thread adds, the backup thread looks up
-    and forgets.
-    """
+class PageSet:
+    """Page hashes, bounded: past ``capacity`` the least recently added are forgotten (their pages
+    stay as they are in the store; only this record of them goes). Thread-safe: the prefetch and
+    backup threads add, look up and forget."""
 
     def __init__(self, capacity: int = 4096) -> None:
         if capacity < 1:
@@ -39,6 +38,16 @@ class SuspectPages:
         with self._lock:
             for page_hash in hashes:
                 self._hashes.pop(page_hash, None)
+
+    def leading(self, hashes: list[str]) -> int:
+        """How many of ``hashes``, from the first, are in the set."""
+        with self._lock:
+            count = 0
+            for page_hash in hashes:
+                if page_hash not in self._hashes:
+                    break
+                count += 1
+            return count
 
     def __contains__(self, page_hash: object) -> bool:
         with self._lock:

@@ -25,8 +25,10 @@ class PinCap:
     """Room for pages pinned by storage calls that may be abandoned (see the module docstring).
 
     Thread-safe. ``acquire(want)`` grants all ``want`` pages or none (``0``), never waiting: a
-    call is never cut to the room left, so a batch reaches the store as the caller planned it (a
-    backup cut into head-first pieces would make an LRU store evict the prefix's head). The
+    write is never cut to the room left, so a batch reaches the store as the caller planned it (a
+    backup cut into head-first pieces would make an LRU store evict the prefix's head); a read
+    asks with ``least`` and is cut to the room instead (staging a large read through private
+    buffers costs more than the call: fresh memory faults in on the first write). The
     caller makes a zero-copy call over the pages granted and calls ``release(granted)`` when it
     has returned, or, if it was abandoned, after its pages were marked abandoned in ``allocator``
     (so they are never counted out of both); with none granted it uses private buffers.
@@ -44,12 +46,15 @@ class PinCap:
         #: The most pages pinned by abandoned calls and calls in flight together, as granted.
         self.peak_pages = 0
 
-    def acquire(self, want: int) -> int:
+    def acquire(self, want: int, *, least: int | None = None) -> int:
+        """Room for ``want`` pages, or none. With ``least``, as much room as there is (at most
+        ``want``) if that is ``least`` pages or more: for calls that may be cut, such as reads."""
         if self.cap_pages is None:
             return want
         with self._lock:
             pinned = self.allocator.abandoned_pages + self._in_flight
-            granted = want if pinned + want <= self.cap_pages else 0
+            room = self.cap_pages - pinned
+            granted = want if want <= room else min(want, room) if least is not None and room >= least else 0
             self._in_flight += granted
             self.peak_pages = max(self.peak_pages, pinned + granted)
             return granted

@@ -26,7 +26,10 @@ only its own batch's pages pinned until it returns; the op's other pages are rel
 Components (hybrid models): the op restores the longest cut every pool accepts
 (``MultiPoolStore.restorable_pages``) and reads each component's trailing pages before that
 cut with the FULL pages (:class:`~hicache_core.side_pools.SideFetch`); their state is placed at
-the cut only when every rank read all of it and every FULL page up to the cut.
+the cut only when every rank read all of it and every FULL page up to the cut. Their host slots
+are reserved when the op is issued: short of them, the op waits as for FULL pages. Such a cut may
+lie past the capacity, so a hybrid op covers what the host pool holds, and one longer than the
+capacity runs alone (``try_issue``).
 
 Page safety: the read thread pins an op's host pages in the allocator when it begins the op and
 until it is done with them, so pages freed by an early stop are not reused while a read may still
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache_storage.cost import CostModel, LoadPolicy
 from hicache_storage.errors import StorageTimeoutError
 from hicache_storage.keys import KeyScope, PageKey, page_hashes
 from hicache_storage.multipool import MultiPoolStore
@@ -61,11 +65,15 @@ from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
 from hicache_core.side_pools import SideFetch, lead_hashes, tiered
 from hicache_core.storage_calls import StorageHealth, guarded_call, leading_successes
-from hicache_core.suspects import SuspectPages
+from hicache_core.page_sets import PageSet
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 
 log = logging.getLogger(__name__)
+
+
+#: Page hashes a prefetcher remembers as stored (about 60 bytes each).
+STORED_PAGES_REMEMBERED = 1 << 16
 
 
 class StopPolicy(str, enum.Enum):
@@ -116,6 +124,11 @@ class PrefetchOp:
     start: int
     hashes: list[str]
     state: PrefetchState = PrefetchState.PLANNED
+    #: Pages after ``start`` the store holds (agreed by every rank); ``hit_pages`` of them are
+    #: read: all, or the head the cost model found worth loading.
+    stored_pages: int = 0
+    #: Of ``hit_pages``, those the read thread has not read (or given up) yet.
+    queued_read_pages: int = 0
     host_indices: torch.Tensor | None = None
     #: When ``Prefetcher.plan`` made the op: the ``best_effort`` bound's clock.
     planned_at: float = field(default_factory=time.monotonic)
@@ -137,6 +150,9 @@ class PrefetchOp:
     #: windows may need, and each component's read (see :mod:`hicache_core.side_pools`).
     lead_hashes: list[str] = field(default_factory=list)
     sides: list[SideFetch] = field(default_factory=list)
+    #: ``Prefetcher._side_epoch()`` when this rank last found a component short of host slots for
+    #: the op: it is not tried again (an eviction walk per try) until that changes.
+    sides_short_at: tuple[int, ...] | None = None
 
     @property
     def pages(self) -> int:
@@ -157,6 +173,7 @@ class Prefetcher:
         tp: TPContext,
         batch_pages: int,
         pin_cap: PinCap,
+        cost: CostModel,
     ) -> None:
         self.config = config
         self.tree = tree
@@ -166,6 +183,7 @@ class Prefetcher:
         self.tp = tp
         self.batch_pages = batch_pages
         self.pin_cap = pin_cap
+        self.cost = cost
         self.page_size = host.page_size
         self.capacity = config.capacity_pages or max(1, host.num_pages // 2)
         self.pages_in_flight = 0
@@ -181,11 +199,19 @@ class Prefetcher:
         self._query_thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch-query")
         self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch")
         #: Pages whose read failed although the store reported them; the backup rewrites them.
-        self.suspects = SuspectPages()
+        self.suspects = PageSet()
+        #: Pages this engine stored or read: known to be in the store without asking it (what a
+        #: prefetch the cost model declined without a lookup would have found, at least).
+        self.stored = PageSet(capacity=STORED_PAGES_REMEMBERED)
         self._health: StorageHealth | None = None
         #: ``best_effort`` ops their requests stopped waiting for before anything arrived: their
         #: pages go into the tree when they end (``land``).
         self._landing: list[PrefetchOp] = []
+        #: An op longer than the capacity waiting for the reads in flight to end (``_fits``).
+        self._alone: PrefetchOp | None = None
+        #: Pages handed to the read thread and not read yet: the reads a new op queues behind.
+        self._reads_queued = 0
+        self._reads_lock = threading.Lock()
 
     def start(self, scope: KeyScope, health: StorageHealth, store: MultiPoolStore) -> None:
         """Read from ``store``'s pools on a new thread; a prefetch finds nothing once ``health`` gave it up."""
@@ -205,6 +231,10 @@ class Prefetcher:
     def thread_alive(self) -> bool:
         return self._query_thread.alive and self._thread.alive
 
+    def reads_pending(self) -> bool:
+        """Whether pages are queued on the read thread (any thread may ask)."""
+        return self._reads_queued > 0
+
     def plan(self, request_id: str, tokens: Sequence[int], match: MatchResult) -> PrefetchOp | None:
         """A prefetch for what follows ``match`` in ``tokens``, or None when it cannot reach the threshold.
 
@@ -217,7 +247,11 @@ class Prefetcher:
         ps = self.page_size
         start = match.matched_length
         whole = (len(tokens) - start) // ps
-        whole = min(whole, self.capacity)
+        # A FULL-only op capped at the capacity still restores every page it holds. A hybrid
+        # model restores only at cuts where every component's state is stored, and those may all
+        # lie past the capacity (a branch point deep in a long prompt): its op covers what the
+        # host pool can hold, and one longer than the capacity runs alone (``try_issue``).
+        whole = min(whole, self.host.num_pages if self.components else self.capacity)
         if whole * ps < max(self.config.threshold_tokens, 1):
             return None
         end = start + whole * ps
@@ -240,7 +274,11 @@ class Prefetcher:
     def try_issue(self, op: PrefetchOp) -> bool:
         """Start ``op`` if host capacity allows (agreed by all ranks); False: try again later.
         While the store is not called (its breaker open, or given up) the op is answered
-        "nothing stored" at once (True)."""
+        "nothing stored" at once (True).
+
+        An op longer than the capacity (a hybrid model's, see ``plan``) runs alone: it waits
+        until no read is in flight, no other op is issued meanwhile, and then it takes the host
+        pages it needs; if the host pool cannot give them, it is cut to the capacity."""
         assert op.state is PrefetchState.PLANNED
         health = self._health
         if self.tp.scheduler.all_max(int(health is not None and not health.allows_call())):
@@ -250,20 +288,18 @@ class Prefetcher:
             op.done.set()
             self.metrics.add(prefetch_skipped_unhealthy=1)
             return True
-        slots = None
-        if self.pages_in_flight + op.pages <= self.capacity:
-            slots = self.alloc_host(op.pages * self.page_size)
-        limited = self.tp.scheduler.all_max(int(slots is None))
-        if limited:
-            if slots is not None:
-                self.host.allocator.free(slots)
+        # ``_fits`` reads state every rank agrees on: ranks skip ``_reserve``'s collective together.
+        reserved, host_short = self._reserve(op) if self._fits(op) else (None, False)
+        if host_short and op.pages > self.capacity:
+            self._shorten(op, self.capacity)
+            reserved, _ = self._reserve(op) if self._fits(op) else (None, False)
+        if reserved is None:
             self.metrics.add(prefetch_rate_limited=1)
             return False
-        assert slots is not None and self.host is not None
-        op.host_indices = slots
+        assert self.host is not None
+        op.host_indices, op.sides = reserved
         op.issued_at = time.monotonic()
         op.state = PrefetchState.RUNNING
-        self._reserve_sides(op)
         op.reserved_pages = op.pages
         self.pages_in_flight += op.pages
         self.metrics.add(prefetch_issued=1)
@@ -274,19 +310,71 @@ class Prefetcher:
             self._query_thread.put(op)
         return True
 
-    def _reserve_sides(self, op: PrefetchOp) -> None:
-        """Host slots for each component's trailing pages; none at all if one is short."""
+    def _fits(self, op: PrefetchOp) -> bool:
+        """Whether ``op`` may take host pages now (from state every rank agrees on): it fits the
+        capacity beside the reads in flight, or, longer than the capacity, none is in flight.
+        While an op longer than the capacity waits to run alone, no other op may take any."""
+        alone = self._alone
+        if alone is not None and (alone is op or alone.state is not PrefetchState.PLANNED or alone.pages <= self.capacity):
+            self._alone = alone = None
+        if op.pages > self.capacity:
+            if self.pages_in_flight:
+                self._alone = op
+                return False
+            return True
+        return alone is None and self.pages_in_flight + op.pages <= self.capacity
+
+    def _reserve(self, op: PrefetchOp) -> tuple[tuple[torch.Tensor, list[SideFetch]] | None, bool]:
+        """Host slots for ``op``'s pages and for its components' state, or None, holding
+        nothing, where a rank is short of either; and whether a rank's host pool was short of
+        the FULL pages. Agreed by all ranks (one collective).
+
+        An op without its components' state would read FULL pages no request can resume at: a
+        component short of host slots rate-limits the op as the FULL pool does."""
+        slots = sides = None
+        skipped = op.sides_short_at == self._side_epoch()
+        if not skipped:
+            slots = self.alloc_host(op.pages * self.page_size)
+            if slots is not None:
+                sides = self._reserve_sides(op)
+        # The worst shortfall of any rank: 2, the host pool's; 1, a component's; 0, none.
+        short = self.tp.scheduler.all_max(0 if sides is not None else 1 if skipped or slots is not None else 2)
+        if not short:
+            assert slots is not None and sides is not None
+            return (slots, sides), False
+        if slots is not None:
+            self.host.allocator.free(slots)
+            if sides is None:
+                op.sides_short_at = self._side_epoch()
+        for side in sides or ():
+            side.component.free_host(side.slots)
+        return None, short == 2
+
+    def _shorten(self, op: PrefetchOp, pages: int) -> None:
+        """Cut a planned ``op`` to its first ``pages`` pages."""
+        op.hashes = op.hashes[:pages]
+        op.tokens = _head(op.tokens, op.start + pages * self.page_size)
+
+    def _side_epoch(self) -> tuple[int, ...]:
+        """Counts that move whenever components may have host slots for an op they were short
+        for: unlocks and host releases in the tree (state becomes evictable), frees in their
+        host allocators."""
+        return (self.tree.releases, *(c.host_allocator.releases for c in self.components if c.host_allocator is not None))
+
+    def _reserve_sides(self, op: PrefetchOp) -> list[SideFetch] | None:
+        """Host slots for each component's trailing pages before any cut of ``op`` (no more
+        than the sequence has before its last page); None, holding nothing, if one is short."""
         sides: list[SideFetch] = []
         for component in self.components:
-            trailing = self._trailing[component.name]
+            trailing = min(self._trailing[component.name], op.start // self.page_size + op.pages)
             slots = component.reserve(trailing)
             if slots is None:
                 for side in sides:
                     side.component.free_host(side.slots)
-                return
+                return None
             assert component.host_allocator is not None  # reserve() took the slots from it
             sides.append(SideFetch(component, trailing, slots, component.host_allocator))
-        op.sides = sides
+        return sides
 
     def complete(self, op: PrefetchOp) -> bool:
         """Whether every rank's thread is done with ``op`` (agreed: MIN of 'done')."""
@@ -299,6 +387,7 @@ class Prefetcher:
         if op.state is PrefetchState.PLANNED:
             return False
         policy = self.config.stop_policy
+        by_cost = False
         if op.done.is_set():
             keep_waiting = False
         elif policy is StopPolicy.BEST_EFFORT:
@@ -311,7 +400,21 @@ class Prefetcher:
         else:
             started = op.started_at
             keep_waiting = started is None or time.monotonic() - started < self.config.timeout_for(op.pages * self.page_size)
-        return not self.tp.scheduler.all_max(int(keep_waiting))
+            if keep_waiting and started is not None and not self._worth_waiting(op, started):
+                keep_waiting, by_cost = False, True
+        stop = not self.tp.scheduler.all_max(int(keep_waiting))
+        if stop and by_cost:
+            self.metrics.add(prefetch_stopped_by_cost=1)
+        return stop
+
+    def _worth_waiting(self, op: PrefetchOp, started: float) -> bool:
+        """``timeout`` under the cost model: whether the pages still being read arrive, at the
+        read's own pace so far, before computing them would be done (see
+        :meth:`~hicache_storage.cost.CostModel.keep_waiting`)."""
+        done = op.completed_pages
+        left = op.hit_pages - done
+        pace = (time.monotonic() - started) / done if done else None
+        return self.cost.keep_waiting(op.request_id, left, page_bytes=self.host.page_bytes, page_tokens=self.page_size, seconds_per_page=pace)
 
     def waited_enough(self, op: PrefetchOp) -> bool:
         """``best_effort``: whether ``op``'s request has waited its bound (this rank's clock;
@@ -413,25 +516,92 @@ class Prefetcher:
 
     def _query(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
         """Ask the store how much of the op it can restore (every rank agrees on the least); revoke
-        the op below the threshold, else hand it to the reading thread (True)."""
+        the op below the threshold, else hand it to the reading thread (True).
+
+        The store is asked only about the pages the cost model could load were they all stored
+        (``_most_worth_loading``), and not at all when that is below the threshold: a lookup
+        costs a slow store's time and the machine's CPU (an object store answers one request per
+        page). What the op learns the store holds (``stored_pages``) is then its answer, or past
+        what it asked, the pages known stored (``stored``: this engine wrote or read them)."""
         assert self.host is not None and op.host_indices is not None
         lead = len(op.lead_hashes)
-        chain = op.lead_hashes + op.hashes
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
         skip = op.terminate.is_set() or health.failed
+        most = 0 if skip else self._most_worth_loading(op)
+        declined = not skip and most * self.page_size < self.config.threshold_tokens
+        asked = op.lead_hashes + op.hashes[:most]
         local_hit = (
-            0 if skip else guarded_call(self.metrics, lambda: store.restorable_pages(chain, held=lead) - lead, 0, "exists", health=health)
+            0
+            if skip or declined
+            else guarded_call(self.metrics, lambda: store.restorable_pages(asked, held=lead) - lead, 0, "exists", health=health)
         )
+        known = self.stored.leading(op.hashes) if declined or local_hit == most else 0
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
+        op.stored_pages = self.tp.prefetch.all_min(max(local_hit, known))
+        if self.tp.prefetch.all_max(int(declined)):
+            self.metrics.add(prefetch_lookups_skipped=1, prefetch_declined_by_cost=1, prefetch_declined_pages=op.stored_pages)
+            self.cost.note_plan(op.pages, 0)
         if hit * self.page_size >= self.config.threshold_tokens:
-            self._thread.put(op)
-            return True
+            op.hit_pages = hit = self._planned_pages(store, health, op, asked, lead, hit)
+            if hit * self.page_size >= self.config.threshold_tokens:
+                self.cost.will_load(op.request_id, hit * self.page_size)
+                with self._reads_lock:
+                    self._reads_queued += hit
+                    op.queued_read_pages = hit
+                self._thread.put(op)
+                return True
+            self.metrics.add(prefetch_declined_by_cost=1)
         op.state = PrefetchState.REVOKED
         self.metrics.add(prefetch_revoked=1)
         return False
 
+    def _most_worth_loading(self, op: PrefetchOp) -> int:
+        """The pages of ``op`` the cost model would load if the store held every one."""
+        with self._reads_lock:
+            queued = self._reads_queued
+        return self.cost.pages_to_load(
+            op.request_id, op.pages, page_bytes=self.host.page_bytes, page_tokens=self.page_size, reads_ahead_bytes=queued * self.host.page_bytes
+        ).pages
+
+    def _planned_pages(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp, chain: list[str], lead: int, hit: int) -> int:
+        """How many of the ``hit`` pages the store answered for to read: those the cost model
+        finds worth loading (:meth:`~hicache_storage.cost.CostModel.pages_to_load`), agreed by
+        every rank (MIN); for a hybrid model cut back to a cut every pool accepts. The rest of the
+        op's ``stored_pages`` is computed."""
+        with self._reads_lock:
+            queued = self._reads_queued
+        plan = self.cost.pages_to_load(
+            op.request_id, hit, page_bytes=self.host.page_bytes, page_tokens=self.page_size, reads_ahead_bytes=queued * self.host.page_bytes
+        )
+        pages = self.tp.prefetch.all_min(plan.pages)
+        if self.components:
+            local = pages
+            if pages < hit:  # the cut must be one every component's stored state allows
+                cuts = guarded_call(self.metrics, lambda: store.lookup(chain[: lead + pages], held=lead).cuts, (), "exists", health=health)
+                local = max(cuts, default=lead) - lead
+            pages = self.tp.prefetch.all_min(local)
+        self.cost.note_plan(op.pages, pages)
+        if pages < op.stored_pages:
+            self.metrics.add(prefetch_declined_pages=op.stored_pages - pages)
+        return pages
+
+    def _reads_left(self, op: PrefetchOp, pages: int) -> None:
+        """``pages`` of ``op``'s reads are no longer queued (read, failed or given up)."""
+        with self._reads_lock:
+            pages = min(pages, op.queued_read_pages)
+            op.queued_read_pages -= pages
+            self._reads_queued -= pages
+
     def _read(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
+        """Read the op's ``hit_pages`` (see ``_read_pages``); whatever is not read by its end
+        leaves the reads queued."""
+        try:
+            return self._read_pages(store, health, op)
+        finally:
+            self._reads_left(op, op.queued_read_pages)
+
+    def _read_pages(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp) -> bool:
         """Read the op's ``hit_pages`` (and its components' pages before the cut) into its host slots."""
         assert self.scope is not None and self.host is not None and op.host_indices is not None
         host_indices = op.host_indices  # fixed at plan time
@@ -469,7 +639,8 @@ class Prefetcher:
             begin = 0
             while begin < hit and not op.terminate.is_set():
                 want = min(self.batch_pages, hit - begin)
-                granted = self.pin_cap.acquire(want)
+                granted = self.pin_cap.acquire(want, least=1)
+                want = granted or want
                 batch = slice(begin, begin + want)
                 abandoned = False
                 if granted:
@@ -479,12 +650,15 @@ class Prefetcher:
                         abandoned = True  # the call may still land in its pages: they wait for it
                         allocator.unpin_io_when_settled(host_indices[batch.start * ps : batch.stop * ps], call)
 
+                    called = time.perf_counter()
                     try:
                         results = guarded_call(
                             self.metrics, lambda: backend.get_into(keys[batch], segments[batch]), None, "get", abandon, health=health
                         )
                     finally:
                         self.pin_cap.release(granted)
+                    if results is not None and all(results):
+                        self.cost.record_read(want * self.host.page_bytes, time.perf_counter() - called)
                 else:  # pages pinned by abandoned calls are at their cap: read into private buffers
                     self.metrics.add(storage_staged_calls=1)
                     staging = [private_copy(page, fill=False) for page in segments[batch]]
@@ -496,11 +670,13 @@ class Prefetcher:
                 if results is not None:
                     # Every page here was reported present: a failed read means its stored copy is bad or gone.
                     self.suspects.add(op.hashes[begin + i] for i, ok in enumerate(results) if not ok)
+                    self.stored.add(op.hashes[begin : begin + got])
                 slot_end = batch.stop * ps if abandoned else (begin + got) * ps
                 if not abandoned:
                     allocator.unpin_io(host_indices[pinned_from:slot_end])
                 pinned_from = slot_end
                 op.completed_pages += got
+                self._reads_left(op, want)
                 op.first_batch.set()
                 self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
                 if results is None or got < len(results):

@@ -332,6 +332,7 @@ class RadixTree:
         upper.lock_ref, upper.host_ref, upper.host_io = child.lock_ref, child.host_ref, child.host_io
         upper.hit_count = child.hit_count
         upper.stored = child.stored
+        upper.backup_deferred = child.backup_deferred
         if child.device_value is not None:
             upper.device_value, child.device_value = child.device_value[:length], child.device_value[length:]
         if child.host_value is not None:

@@ -117,6 +117,9 @@ class RequestResult:
     cached_host: int = 0
     cached_storage: int = 0
     computed: int = 0
+    #: Of ``computed``, prompt tokens the store held (as its lookup for the request's prefetch
+    #: found them): recomputed by the cost model's choice, a read stopped short, or a failed one.
+    stored_recomputed: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
 
@@ -143,8 +146,12 @@ class Live:
     prefix_slots: torch.Tensor | None = None
     own_slots: torch.Tensor | None = None
     storage_tokens: int = 0
+    #: The tokens the store held for the request's last prefetch that found any: (start, end).
+    stored_span: tuple[int, int] = (0, 0)
     planned_match: int = 0
     refetched: bool = False
+    #: The memory epoch (``Admission._memory_epoch``) at which it was last checked for a lost prefix.
+    lost_checked_at: tuple[int, ...] | None = None
     #: The device hit before a start attempt that loaded host pages and then found no memory: the
     #: pages it loaded stay on the device, and a later attempt must not count them as device hits.
     device_hit_before_load: int | None = None

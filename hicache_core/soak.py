@@ -55,12 +55,21 @@ from hicache_core import (
     StopPolicy,
     make_conversations,
 )
+from hicache_storage.cost import CostConfig, LoadPolicy
 from hicache_storage.registry import create_backend
 from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer
 
 #: The tiny real model (deterministic on the CPU) the soak and the fault matrix run.
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
 STALL_EXIT_CODE = 3
+
+#: The cost model of :func:`tiny_engine_config`: every page written and every stored page read
+#: (``LoadPolicy.ALL``, SGLang's behaviour). What that engine checks is that each page comes back
+#: from a faulty store exactly (or is read as a miss); the default choices, made from speeds timed
+#: live, would recompute the pages a store reads slower than this tiny model computes them (often,
+#: and always under injected latency) and defer their backups, leaving those pages unchecked and
+#: the tokens served from L3 up to the machine's load.
+EVERY_PAGE = CostConfig(policy=LoadPolicy.ALL)
 
 #: The faults of a soak: the kinds a store is kept through (temporary ones, and a connector bug
 #: of no known kind), at rates that leave most calls healthy.
@@ -233,11 +242,13 @@ def tiny_engine_config(tiers: CacheTiers, storage_timeout_s: float | None) -> En
     """The engine of the soak and of the fault matrix (``tests/core/test_fault_matrix.py``): :data:`MODEL`
     on pools too small for a multi-turn history (pages of 4 tokens, 36 on the device, 48 on the
     host), so pages really go to storage and come back; write-through; prefetch from 8 tokens
-    with the ``wait_complete`` stop policy (a request waits for what storage has); at most 2
+    with the ``wait_complete`` stop policy (a request waits for what storage has); every page
+    written and every stored page read, whatever the speeds (:data:`EVERY_PAGE`); at most 2
     requests running."""
     controller = ControllerConfig(
         prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
         storage_timeout_s=storage_timeout_s,
+        cost=EVERY_PAGE,
     )
     return EngineConfig(model=MODEL, tiers=tiers, page_size=4, device_pages=36, host_pages=48, host_ratio=None,
                         controller=controller, max_running=2)

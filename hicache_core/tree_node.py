@@ -56,6 +56,7 @@ class TreeNode:
         "components",
         "session_refs",
         "stored",
+        "backup_deferred",
     )
 
     def __init__(self, key: tuple[int, ...], parent: TreeNode | None, hashes: list[str], now: float, end: int = 0) -> None:
@@ -82,6 +83,9 @@ class TreeNode:
         self.session_refs = 0
         #: Its pages were handed to L3 (a storage backup was queued) or read from it.
         self.stored = False
+        #: Its host copy is complete and its storage backup waits for its next hit (write-through
+        #: degraded to selective while the store lags; see ``CacheController.on_insert``).
+        self.backup_deferred = False
 
     @property
     def last_hash(self) -> str | None:

@@ -47,6 +47,10 @@ def branch_backup(config: BenchConfig, shared: int = 6400, new: int = 3600, bran
             output = config.workload.output_length
             with Engine(engine_config) as engine:
                 engine.serve([Request("first", prefix + suffixes[0], output)])
+                # The branch comes once the prefix is backed up: a backup still in flight when the
+                # branch inserts its state would carry that state along, and backfill would have
+                # nothing to do.
+                engine.drain()
                 engine.serve([Request("branch", prefix + suffixes[1], output)])
                 results = []
                 for i, suffix in enumerate(suffixes[2:]):

@@ -20,6 +20,7 @@ from hicache_core.engine import CacheTiers, Engine, EngineCapacityError, EngineC
 from hicache_core.model import ModelConfig
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
 from test_core_differential import assert_identical
 
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
@@ -30,7 +31,8 @@ def engine_config(tiers: CacheTiers, stop: StopPolicy = StopPolicy.WAIT_COMPLETE
     prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=stop, timeout_base_s=60.0)
     base = dict(
         model=MODEL, tiers=tiers, page_size=4, device_pages=24, host_pages=32, host_ratio=None,
-        controller=ControllerConfig(write_policy=write, prefetch=prefetch), max_running=3,
+        # The tests count the tokens L3 served: every page is written and read, whatever the speeds.
+        controller=ControllerConfig(write_policy=write, prefetch=prefetch, cost=LOAD_AND_STORE_EVERY_PAGE), max_running=3,
         storage_backend="memory" if tiers.storage else None,
         storage_config={"store": store or f"admission-{uuid.uuid4().hex}"} if tiers.storage else None,
     )

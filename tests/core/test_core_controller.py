@@ -35,6 +35,8 @@ from hicache_storage.store import Store
 from hicache_storage.keys import KeyScope, Namespace, page_hashes
 from hicache_storage.layers.faults import FaultInjectionLayer
 
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
+
 #: A guard against a hang, never a timing assertion: polls of 10 ms before a wait gives up.
 HANG_GUARD_POLLS = 3000
 GEOMETRY = KVGeometry(layers=2, kv_heads=1, head_dim=4)
@@ -295,8 +297,11 @@ CONVERSATIONS = make_conversations(clients=2, rounds=2, turn_tokens=20, vocab_si
 
 
 def engine_config(tiers: CacheTiers, timeout_s: float | None = 5.0) -> EngineConfig:
+    # The tests count the tokens L3 served and the calls that reach the store: every page is
+    # written, asked for and read, whatever the speeds.
     controller = ControllerConfig(
-        storage_timeout_s=timeout_s, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE)
+        storage_timeout_s=timeout_s, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
+        cost=LOAD_AND_STORE_EVERY_PAGE,
     )
     return EngineConfig(model=MODEL, tiers=tiers, page_size=4, device_pages=20, host_pages=12, host_ratio=None,
                         controller=controller, max_running=2)

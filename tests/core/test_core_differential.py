@@ -21,6 +21,8 @@ from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request, Reque
 from hicache_core.model import ModelConfig, ModeledCompute
 from hicache_storage.keys import page_hashes
 
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
+
 MHA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
 MLA = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, head_dim=8, ffn=64, mla=True, latent_dim=16, seed=12)
 CONVERSATIONS = make_conversations(clients=3, rounds=3, turn_tokens=24, vocab_size=256, seed=5)
@@ -33,7 +35,8 @@ def config(model: ModelConfig, tiers: CacheTiers, layout: str = "page_first", wr
            **overrides: object) -> EngineConfig:
     # A generous timeout: the "timeout" policy must not expire on a loaded CI machine (expiry has its own test).
     prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=stop, timeout_base_s=60.0)
-    controller = ControllerConfig(write_policy=write, prefetch=prefetch)
+    # The tests count the tokens L3 served: every page is written and read, whatever the speeds.
+    controller = ControllerConfig(write_policy=write, prefetch=prefetch, cost=LOAD_AND_STORE_EVERY_PAGE)
     base = dict(
         model=model, tiers=tiers, page_size=4, device_pages=36, host_pages=48, host_ratio=None, layout=layout,
         controller=controller, storage_backend=backend, storage_config=storage_config, max_running=2,
@@ -181,7 +184,8 @@ def test_buffer_only_mode(baseline, write):
     store = {"store": f"buffer-only-{uuid.uuid4().hex}"}
     cfg = config(MHA, CacheTiers.L1_L2_L3, write=write, backend="memory", storage_config=store, host_pages=24)
     cfg.controller = ControllerConfig(
-        write_policy=write, buffer_only=True, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE)
+        write_policy=write, buffer_only=True, prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE),
+        cost=LOAD_AND_STORE_EVERY_PAGE,
     )
     again = last_round_requests(baseline["mha"])
     with Engine(cfg) as engine:

@@ -29,6 +29,7 @@ from hicache_core.engine import CacheTiers, Engine, Request
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_core.radix_tree import RadixTree
 
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
 from test_core_admission import MODEL, engine_config
 
 #: A guard against a hang, never a timing assertion: a step loop gives up after this long.
@@ -92,7 +93,9 @@ def test_requests_behind_a_blocked_queue_take_their_completed_prefetches_so_the_
     stored(store, *histories)
     # One request at a time, and prefetch capacity for one 10-page read at a time.
     prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE, timeout_base_s=60.0, capacity_pages=10)
-    config = engine_config(CacheTiers.L1_L2_L3, store=store, max_running=1, controller=ControllerConfig(prefetch=prefetch))
+    # It counts the tokens L3 served: every page is written and read, whatever the speeds.
+    controller = ControllerConfig(prefetch=prefetch, cost=LOAD_AND_STORE_EVERY_PAGE)
+    config = engine_config(CacheTiers.L1_L2_L3, store=store, max_running=1, controller=controller)
     with Engine(config) as engine:
         engine.submit(Request("running", prompt(9, 20), 40))  # decodes for a while: the queue is blocked
         step_until(engine, lambda: bool(engine._running), "the first request to start")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hicache_core import CacheTiers, Engine, Request, RequestResult
-from hicache_core.prefetch import SuspectPages
+from hicache_core.page_sets import PageSet
 from hicache_core.soak import tiny_engine_config
 from hicache_storage import create_backend
 from hicache_storage.store import Store
@@ -82,7 +82,7 @@ def test_a_corrupted_page_is_rewritten_and_hits_again(tmp_path):
 
 
 def test_suspect_pages_are_bounded_and_forgotten_once_rewritten():
-    suspects = SuspectPages(capacity=3)
+    suspects = PageSet(capacity=3)
     suspects.add(["a", "b", "c", "d"])  # the oldest, "a", makes room
     assert [h in suspects for h in "abcd"] == [False, True, True, True]
     assert suspects.among(["x", "c", "b", "y"]) == [1, 2]
@@ -91,7 +91,7 @@ def test_suspect_pages_are_bounded_and_forgotten_once_rewritten():
 
 
 def test_suspect_pages_from_many_threads_stay_within_capacity():
-    suspects = SuspectPages(capacity=100)
+    suspects = PageSet(capacity=100)
 
     def churn(worker: int) -> None:
         for n in range(2000):

@@ -1,19 +1,28 @@
 """Tensor parallelism: two ranks (processes, gloo) whose stores answer at different speeds make the
 same cache decisions under every stop policy, never deadlock, and match the single-process output.
 MLA: only rank 0 writes storage, both read it. A hybrid model (FULL + SWA + recurrent, with a
-draft model) too: every pool's prefetch is agreed the same way."""
+draft model) too: every pool's prefetch is agreed the same way. The runs that count what L3
+restored read and write every page (``pinned_cost``); one run per model kind plans with the
+default cost model, each rank on its own store's speeds, and the ranks still agree."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # pinned_cost, imported by the ranks
+#: The end of the names of the runs that plan with the default cost model: only their outputs and
+#: the ranks' agreement are checked (what L3 restored depends on the speeds timed).
+COST_MODEL = "cost-model"
 
 WORKER = textwrap.dedent(
     """
@@ -26,35 +35,41 @@ WORKER = textwrap.dedent(
     from hicache_core.model import ModelConfig
     from hicache_core.tp import TPContext
     from hicache_storage import create_backend
+    from hicache_storage.cost import CostConfig
     from hicache_storage.layers.faults import FaultInjectionLayer
+    from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
 
-    rank, world, port, root, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    rank, world, (port, root, out, cost_model) = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:7]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tp = TPContext.from_torch_distributed()
     conversations = make_conversations(clients=2, rounds=3, turn_tokens=20, vocab_size=256, seed=21)
     delay = 0.001 if rank == 0 else 0.02  # the ranks' stores answer at very different speeds
     records = {}
-    for kind in ("mha", "mla", "hybrid"):
+    # Every page written and read where the test counts what L3 restored; the default cost model
+    # (under the default stop policy) in the runs named after it.
+    runs = [(kind, policy, LOAD_AND_STORE_EVERY_PAGE, "") for kind in ("mha", "mla", "hybrid") for policy in StopPolicy]
+    runs += [(kind, StopPolicy.TIMEOUT, CostConfig(), f"-{cost_model}") for kind in ("mha", "hybrid")]
+    for kind, policy, cost, suffix in runs:
         model = model_for(kind)
-        for policy in StopPolicy:
-            name = f"{kind}-{policy.value}"
-            slow = {"latency_rate": 1.0, "latency_seconds": delay}
-            backend = FaultInjectionLayer(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
-            controller = ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=8, stop_policy=policy, timeout_base_s=60.0))
-            config = EngineConfig(model=model, tiers=CacheTiers.L1_L2_L3, page_size=4, device_pages=24, host_pages=24,
-                                  host_ratio=None, controller=controller, max_running=2, tp=tp)
-            with Engine(config, storage=backend) as engine:
-                rounds = serve_conversations(engine, conversations, 3)
-                engine.flush_cache()
-                last = [Request(f"again-{r.rid}", prompt, 3) for r, prompt in zip(rounds[-1], engine_prompts(rounds, conversations))]
-                again = engine.serve(last)
-                records[name] = {
-                    "results": [[r.rid, r.output_ids, r.cached_device, r.cached_host, r.cached_storage]
-                                for rnd in rounds + [again] for r in rnd],
-                    "storage_backup_ops": engine.metrics.snapshot()["storage_backup_ops"],
-                }
-                if kind == "hybrid":
-                    records[name]["draft_ids"] = [r.draft_ids for rnd in rounds + [again] for r in rnd]
+        name = f"{kind}-{policy.value}{suffix}"
+        slow = {"latency_rate": 1.0, "latency_seconds": delay}
+        backend = FaultInjectionLayer(create_backend("file", {"root": f"{root}/{name}"}), {"get": slow, "exists": slow})
+        prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=policy, timeout_base_s=60.0)
+        controller = ControllerConfig(prefetch=prefetch, cost=cost)
+        config = EngineConfig(model=model, tiers=CacheTiers.L1_L2_L3, page_size=4, device_pages=24, host_pages=24,
+                              host_ratio=None, controller=controller, max_running=2, tp=tp)
+        with Engine(config, storage=backend) as engine:
+            rounds = serve_conversations(engine, conversations, 3)
+            engine.flush_cache()
+            last = [Request(f"again-{r.rid}", prompt, 3) for r, prompt in zip(rounds[-1], engine_prompts(rounds, conversations))]
+            again = engine.serve(last)
+            records[name] = {
+                "results": [[r.rid, r.output_ids, r.cached_device, r.cached_host, r.cached_storage]
+                            for rnd in rounds + [again] for r in rnd],
+                "storage_backup_ops": engine.metrics.snapshot()["storage_backup_ops"],
+            }
+            if kind == "hybrid":
+                records[name]["draft_ids"] = [r.draft_ids for rnd in rounds + [again] for r in rnd]
     json.dump(records, open(out, "w"))
     dist.destroy_process_group()
     """
@@ -99,11 +114,13 @@ def test_two_ranks_agree_under_every_stop_policy(tmp_path):
     script.write_text(PROMPTS + WORKER)
     port = free_port()
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), "2", str(port), str(tmp_path / "l3"), str(outs[rank])],
+            [sys.executable, str(script), str(rank), "2", str(port), str(tmp_path / "l3"), str(outs[rank]), COST_MODEL],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         for rank in range(2)
     ]
@@ -119,7 +136,8 @@ def test_two_ranks_agree_under_every_stop_policy(tmp_path):
         assert proc.returncode == 0, f"a rank failed (or deadlocked and was killed):\n{log[-4000:]}"
     rank0, rank1 = (json.loads(out.read_text()) for out in outs)
     kinds = ("mha", "mla", "hybrid")
-    assert set(rank0) == {f"{kind}-{policy}" for kind in kinds for policy in ("best_effort", "wait_complete", "timeout")}
+    pinned = {f"{kind}-{policy}" for kind in kinds for policy in ("best_effort", "wait_complete", "timeout")}
+    assert set(rank0) == pinned | {f"{kind}-timeout-{COST_MODEL}" for kind in ("mha", "hybrid")}
     for name in rank0:
         for field in ("results", "draft_ids"):
             assert rank0[name].get(field) == rank1[name].get(field), f"{name}: the ranks decided differently"
@@ -131,12 +149,12 @@ def test_two_ranks_agree_under_every_stop_policy(tmp_path):
         with Engine(EngineConfig(model=namespace["model_for"](kind), tiers=CacheTiers.OFF, page_size=4, device_pages=24)) as engine:
             plain = [r for rnd in serve_conversations(engine, conversations, 3) for r in rnd]
         expected = [r.output_ids for r in plain]
-        for policy in ("best_effort", "wait_complete", "timeout"):
-            got = [entry[1] for entry in rank0[f"{kind}-{policy}"]["results"]]
-            assert got[: len(expected)] == expected
-            assert got[len(expected) :] == expected[-2:], "the flushed last round came back identical"
+        for name in (name for name in rank0 if name.startswith(f"{kind}-")):
+            got = [entry[1] for entry in rank0[name]["results"]]
+            assert got[: len(expected)] == expected, name
+            assert got[len(expected) :] == expected[-2:], f"{name}: the flushed last round came back identical"
             if kind == "hybrid":
-                drafts = rank0[f"{kind}-{policy}"]["draft_ids"]
+                drafts = rank0[name]["draft_ids"]
                 assert drafts[: len(plain)] == [r.draft_ids for r in plain] and drafts[len(plain) :] == drafts[len(plain) - 2 : len(plain)]
     for kind in ("mha", "hybrid"):
         for policy in ("wait_complete", "timeout"):

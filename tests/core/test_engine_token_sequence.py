@@ -10,6 +10,7 @@ with an engine running with the cache off.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -26,6 +27,8 @@ from hicache_core.radix_tree import RadixTree
 from hicache_core.token_sequence import TokenSequence
 from hicache_storage.errors import InvalidKeyError
 from hicache_storage.keys import page_hashes
+
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = 4
@@ -77,7 +80,9 @@ def test_every_tree_call_and_plan_gets_a_token_sequence_and_prefetch_keys_are_sg
     shared = prompt(40, seed=1)
     first = shared + prompt(9, seed=2)
     second = shared + prompt(30, seed=3)  # continues the cached 40 tokens: a prefetch with start > 0
-    with Engine(config()) as engine:
+    pinned = config()  # it counts the tokens L3 served: every page is written and read, whatever the speeds
+    pinned.controller = dataclasses.replace(pinned.controller, cost=LOAD_AND_STORE_EVERY_PAGE)
+    with Engine(pinned) as engine:
         engine.serve([Request("warm", first, max_new_tokens=3)])
         engine.flush_cache()  # L1 and L2 empty; L3 keeps the pages
         engine.serve([Request("again", first, max_new_tokens=3)])

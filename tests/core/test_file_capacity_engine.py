@@ -18,6 +18,8 @@ from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request
 from hicache_core.model import ModelConfig
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
+
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=11)
 PAGE_SIZE = 4
 PROMPT_PAGES = 48
@@ -35,7 +37,8 @@ def engine_config(tiers: CacheTiers, storage_config: dict | None = None, layout:
         host_pages=2 * PROMPT_PAGES,
         host_ratio=None,
         layout=layout,
-        controller=ControllerConfig(prefetch=prefetch),
+        # The test counts the pages L3 holds and serves: each is written and read, whatever the speeds.
+        controller=ControllerConfig(prefetch=prefetch, cost=LOAD_AND_STORE_EVERY_PAGE),
         storage_backend="file" if storage_config is not None else None,
         storage_config=storage_config,
         max_running=1,

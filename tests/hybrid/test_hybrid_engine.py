@@ -22,7 +22,10 @@ from hicache_core.model import TinyDecoder
 from hicache_core.pools import HostPool
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 from hicache_storage import create_backend, kernels, stack_layers
+from hicache_storage.cost import CostConfig
 from hicache_storage.keys import page_hashes
+
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
 
 PAGE = 8
 RECURRENT = HybridModelConfig(window=12)  # full, swa, recurrent, swa, recurrent, full
@@ -44,11 +47,16 @@ def config(
     stop: StopPolicy = StopPolicy.WAIT_COMPLETE,
     swa_device_pages: int = 32,
     host_checkpoints: int = 24,
+    capacity_pages: int | None = None,
     controller: dict[str, object] | None = None,
+    cost: CostConfig = LOAD_AND_STORE_EVERY_PAGE,
     **overrides: object,
 ) -> EngineConfig:
+    """``cost``: every page is written and read by default, whatever the speeds, as most tests
+    here count the tokens L3 served; a test that checks only outputs passes ``CostConfig()``, the
+    engine's default."""
     # A generous timeout: the "timeout" policy must not expire on a loaded CI machine.
-    prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=stop, timeout_base_s=60.0)
+    prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=stop, timeout_base_s=60.0, capacity_pages=capacity_pages)
     settings: dict[str, object] = {
         "model": model,
         "tiers": tiers,
@@ -57,7 +65,7 @@ def config(
         "host_pages": 96,
         "host_ratio": None,
         "hybrid": HybridPools(swa_device_pages=swa_device_pages, device_checkpoints=6, host_checkpoints=host_checkpoints),
-        "controller": ControllerConfig(write_policy=write, prefetch=prefetch, **(controller or {})),  # type: ignore[arg-type]
+        "controller": ControllerConfig(write_policy=write, prefetch=prefetch, cost=cost, **(controller or {})),  # type: ignore[arg-type]
         "max_running": 2,
     }
     if tiers is CacheTiers.L1_L2_L3 and root is not None:
@@ -163,7 +171,8 @@ POLICY_MATRIX = (
 
 @pytest.mark.parametrize("tiers, write, stop, shape", POLICY_MATRIX, ids=lambda v: getattr(v, "value", v))
 def test_every_tier_write_and_stop_policy_gives_the_uncached_outputs(shape, tiers, write, stop, tmp_path) -> None:
-    results = run(config(tiers, str(tmp_path), model=SHAPES[shape], write=write, stop=stop))
+    # Outputs only (any hit counts): the engine's default load policy.
+    results = run(config(tiers, str(tmp_path), model=SHAPES[shape], write=write, stop=stop, cost=CostConfig()))
     assert_same_outputs(uncached_for(shape), results)
     assert sum(r.cached_tokens for r in results) > 0
     if tiers is CacheTiers.L1_L2 and write is not WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -283,7 +292,8 @@ def audit(engine: Engine) -> int:
 def test_every_cached_state_equals_a_recomputation(policy, tmp_path) -> None:
     """After a workload under memory pressure (evictions, tombstones, restores from L3), every copy
     the tree holds is bit-identical to recomputing it: nothing stale, nothing mixed up."""
-    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path), write=policy, swa_device_pages=16)) as engine:
+    # The copies only, wherever they came from: the engine's default load policy.
+    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path), write=policy, swa_device_pages=16, cost=CostConfig())) as engine:
         histories: list[list[int]] = [[] for _ in CONVERSATIONS]
         serve_rounds(engine, range(2), histories)
         engine.flush_cache()
@@ -302,26 +312,111 @@ SHARED = make_conversations(1, 1, 96, MODEL.vocab_size, seed=11)[0][0]
 SUFFIXES = make_conversations(12, 1, 12, MODEL.vocab_size, seed=12)
 
 
-def branch_scenario(backfill: bool, root: str) -> list[RequestResult]:
+def branch_scenario(backfill: bool, root: str, **settings: object) -> tuple[list[RequestResult], tuple[int, ...]]:
     """Two requests share a prefix and diverge (the second leaves a new checkpoint at the branch
     point, on a prefix whose KV is already backed up); then L1 and L2 are emptied before each of
-    ten more requests for the same prefix with new suffixes."""
-    with Engine(config(CacheTiers.L1_L2_L3, root, controller={"backfill": backfill})) as engine:
+    ten more requests for the same prefix with new suffixes. ``settings``: more of ``config``'s.
+
+    Returns their results, and the cuts (in pages) of the first of them the store could restore
+    before it was served."""
+    with Engine(config(CacheTiers.L1_L2_L3, root, controller={"backfill": backfill}, **settings)) as engine:  # type: ignore[arg-type]
         engine.serve([Request("first", SHARED + SUFFIXES[0][0], NEW_TOKENS)])
+        engine.drain()  # backed up before the branch: a backup in flight would carry the branch's state along
         engine.serve([Request("branch", SHARED + SUFFIXES[1][0], NEW_TOKENS)])
+        store = engine.controller.store
+        assert store is not None
+        cuts: tuple[int, ...] = ()
         results = []
         for i, suffix in enumerate(SUFFIXES[2:]):
             engine.flush_cache()
-            results += engine.serve([Request(f"again-{i}", SHARED + suffix[0], NEW_TOKENS)])
-    return results
+            prompt = SHARED + suffix[0]
+            if i == 0:
+                cuts = store.lookup(page_hashes(prompt[: (len(prompt) - 1) // PAGE * PAGE], PAGE)).cuts
+            results += engine.serve([Request(f"again-{i}", prompt, NEW_TOKENS)])
+    return results, cuts
 
 
 def test_backfill_restores_the_whole_shared_prefix_and_its_absence_shows_the_gap(tmp_path) -> None:
-    with_backfill = branch_scenario(True, str(tmp_path / "on"))
-    without = branch_scenario(False, str(tmp_path / "off"))
+    with_backfill, _ = branch_scenario(True, str(tmp_path / "on"))
+    without, _ = branch_scenario(False, str(tmp_path / "off"))
     assert [r.output_ids for r in with_backfill] == [r.output_ids for r in without]
     assert [r.cached_storage for r in with_backfill] == [len(SHARED)] * 10
     assert sum(r.cached_storage == len(SHARED) for r in without) == 0, [r.cached_storage for r in without]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_prefetch_whose_only_stored_boundary_lies_past_its_capacity_restores_up_to_it(shape, tmp_path) -> None:
+    """A prefetch capacity of 8 pages, short of the branch point (12 pages), the only boundary
+    whose state every pool holds in L3: the op, longer than the capacity, runs alone and reads
+    up to that boundary. Capped at the capacity it would find no restorable cut in what it read
+    and restore nothing. With backfill, every request restores the whole shared prefix, outputs
+    bit-identical to no cache."""
+    model, capacity = SHAPES[shape], 8
+    results, cuts = branch_scenario(True, str(tmp_path), model=model, capacity_pages=capacity)
+    assert cuts == (len(SHARED) // PAGE,) and cuts[0] > capacity, cuts
+    assert [r.cached_storage for r in results] == [len(SHARED)] * 10
+    with Engine(config(CacheTiers.OFF, model=model)) as plain:
+        expected = plain.serve([Request(r.rid, SHARED + suffix[0], NEW_TOKENS) for r, suffix in zip(results, SUFFIXES[2:])])
+    for want, got in zip(expected, results):
+        assert got.output_ids == want.output_ids and got.draft_ids == want.draft_ids, got.rid
+        assert got.logits is not None and want.logits is not None
+        assert torch.equal(got.logits.view(torch.int32), want.logits.view(torch.int32)), got.rid
+
+
+TOGETHER = make_conversations(3, 1, 64, MODEL.vocab_size, seed=19)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefetches_short_of_component_host_slots_wait_for_them_instead_of_reading_pages_no_request_resumes_at(shape, tmp_path) -> None:
+    """Three prompts stored in L3 by another instance, restored at once by an engine whose SWA
+    host pool holds one window (2 pages): their prefetches take turns for it. A prefetch issued
+    without its components' state would read FULL pages its request cannot resume at (no window
+    before the cut) and recompute them; here every page read is used, and every request restores
+    its whole-page prefix, outputs bit-identical to no cache."""
+    model = SHAPES[shape]
+    requests = [Request(f"p{i}", turns[0], NEW_TOKENS) for i, turns in enumerate(TOGETHER)]
+    with Engine(config(CacheTiers.OFF, model=model)) as plain:
+        expected = plain.serve(requests)
+    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path), model=model)) as filler:
+        filler.serve(requests)
+        filler.drain()
+    window = -(-(model.window - 1) // PAGE)
+    tight = HybridPools(swa_device_pages=32, swa_host_pages=window, device_checkpoints=6, host_checkpoints=24)
+    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path), model=model, hybrid=tight)) as engine:
+        got = engine.serve(requests)
+        read = engine.metrics.snapshot()["prefetch_pages"]
+    whole = (len(TOGETHER[0][0]) - 1) // PAGE * PAGE
+    assert [r.cached_storage for r in got] == [whole] * len(requests)
+    assert read * PAGE == whole * len(requests), "every page read from L3 was restored"
+    assert_same_outputs(expected, got)
+
+
+def test_a_waiting_request_that_loses_what_it_fetched_fetches_it_back(tmp_path) -> None:
+    """A waiting request takes its finished prefetch into the tree (pinned). When the head of
+    the queue cannot start and nothing runs, ``unpin_waiting`` takes the pin, and the pages may
+    be evicted before the request starts: it then fetches them back once, as a request whose
+    matched prefix was evicted does. (Before, only the prefix matched when it was planned counted
+    as lost: it recomputed what it had read.)"""
+    request = Request("p", TOGETHER[0][0], NEW_TOKENS)
+    with Engine(config(CacheTiers.OFF)) as plain:
+        (expected,) = plain.serve([request])
+    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as filler:
+        filler.serve([request])
+        filler.drain()
+    with Engine(config(CacheTiers.L1_L2_L3, str(tmp_path))) as engine:
+        engine.submit(request)
+        (live,) = engine.admission.waiting
+        while live.prefetch is not None:  # taken once read; then its start fails: no memory
+            engine.admission.admit(lambda _: False, lambda _: None)
+        fetched = live.storage_tokens
+        assert fetched > 0 and live.pinned is None, "the failed head released its own pin"
+        engine.tree.evict_host(engine.host_pool.num_pages * PAGE)  # type: ignore[union-attr]
+        assert engine.tree.match_prefix(engine.admission.matchable(live)).matched_length == 0
+        while engine.has_work():
+            engine.step()
+        (got,) = engine.take_results()
+    assert got.cached_storage == fetched == (len(request.tokens) - 1) // PAGE * PAGE
+    assert got.output_ids == expected.output_ids and torch.equal(got.logits, expected.logits)
 
 
 # --- every pool votes ------------------------------------------------------------------------
@@ -382,7 +477,7 @@ def test_a_store_failing_permanently_is_given_up_and_outputs_stay_exact(uncached
     """StorageHealth holds for hybrid models: the first permanent error stops every pool's I/O."""
     faults = {"error_rate": 1.0, "errors": ["permission"]}
     storage = stack_layers(create_backend("file", {"root": str(tmp_path)}), [{"kind": "faults", "seed": 1, "put": faults}])
-    with Engine(config(CacheTiers.L1_L2_L3), storage) as engine:
+    with Engine(config(CacheTiers.L1_L2_L3, cost=CostConfig()), storage) as engine:  # nothing read: the default policy
         results = serve_rounds(engine, range(3), [[] for _ in CONVERSATIONS], flush=True)
         counters = engine.metrics.snapshot()
     assert_same_outputs(uncached, results)

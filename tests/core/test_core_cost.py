@@ -1,0 +1,282 @@
+"""Load or recompute through the engine: the cost model's choices (``hicache_storage.cost``), with
+speeds given in ``CostConfig`` so that every plan is the same on any machine, and computed by hand.
+
+* A store too slow to beat compute is not read: the engine recomputes the stored prefix.
+* A store faster than compute serves every stored page.
+* With compute queued ahead of a request, a slow store serves the head of its stored prefix
+  that arrives before the engine reaches it; the rest is recomputed.
+* A hybrid model's head is cut back to a boundary every pool can resume at.
+* While the store is the slow leg, write-through backs up only what was hit again.
+
+Outputs stay bit-identical to no cache throughout: a page recomputed has the KV a page loaded has.
+The speeds: pages of 4 tokens and 1 KiB (the model below), compute 1,024 tokens/s (a page in
+1/256 s); the copies to the device and the writes at 1 GiB/s.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from hicache_core.controller import ControllerConfig
+from hicache_core.engine import CacheTiers, Engine, EngineConfig, HybridPools, Request, RequestResult
+from hicache_core.hybrid.model import HybridModelConfig
+from hicache_core.model import ModelConfig
+from hicache_core.prefetch import PrefetchConfig, StopPolicy
+from hicache_storage.cost import CostConfig, CostModel
+from hicache_storage.keys import page_hashes
+
+MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=31)
+PAGE = 4
+PAGE_BYTES = 1024  # 2 (K and V) x 2 layers x 2 heads x 8 dims x 4 bytes x 4 tokens
+COMPUTE_TOKENS_PER_S = 1024.0
+GIB_PER_S = float(2**30)
+#: A store that reads a page in 1/1024 s, four times faster than computing it.
+FAST_READ = 1024.0 * PAGE_BYTES
+#: A store that reads a page in 1/64 s, four times slower than computing it.
+SLOW_READ = 64.0 * PAGE_BYTES
+#: A store that reads a page in a second: no compute queued ahead makes it worth waiting for.
+CRAWLING_READ = 1.0 * PAGE_BYTES
+NEW_TOKENS = 3
+#: A guard against a hang, never a timing assertion.
+DEADLINE_S = 60.0
+
+
+def speeds(read_bytes_per_s: float) -> CostConfig:
+    """Every speed given: the store reads at ``read_bytes_per_s``, the rest as the module says."""
+    return CostConfig(
+        read_bytes_per_s=read_bytes_per_s, write_bytes_per_s=GIB_PER_S, copy_bytes_per_s=GIB_PER_S, compute_tokens_per_s=COMPUTE_TOKENS_PER_S
+    )
+
+
+def engine_config(tiers: CacheTiers, store: str, read_bytes_per_s: float = FAST_READ, **controller: object) -> EngineConfig:
+    # wait_complete: a request waits for the pages planned (the timeout policy's own stop by cost
+    # is timed on the read's pace, not given).
+    prefetch = PrefetchConfig(threshold_tokens=8, stop_policy=StopPolicy.WAIT_COMPLETE)
+    return EngineConfig(
+        model=MODEL, tiers=tiers, page_size=PAGE, device_pages=64, host_pages=128, host_ratio=None,
+        controller=ControllerConfig(prefetch=prefetch, cost=speeds(read_bytes_per_s), **controller),  # type: ignore[arg-type]
+        storage_backend="memory" if tiers.storage else None, storage_config={"store": store} if tiers.storage else None,
+        max_running=2,
+    )
+
+
+def prompt(seed: int, tokens: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (tokens,), generator=generator).tolist()
+
+
+def uncached(requests: list[Request]) -> list[RequestResult]:
+    with Engine(engine_config(CacheTiers.OFF, "")) as engine:
+        return engine.serve(requests)
+
+
+def assert_identical(expected: list[RequestResult], got: list[RequestResult]) -> None:
+    for want, have in zip(expected, got, strict=True):
+        assert have.output_ids == want.output_ids, have.rid
+        assert have.logits is not None and want.logits is not None
+        assert torch.equal(have.logits.view(torch.int32), want.logits.view(torch.int32)), have.rid
+
+
+def stored_pages(engine: Engine, tokens: list[int]) -> int:
+    """How many whole pages of ``tokens`` the engine's store holds, from the first."""
+    store = engine.controller.store
+    assert store is not None
+    hashes = page_hashes(tokens[: len(tokens) // PAGE * PAGE], PAGE)
+    return store.store.prefix_exists(store.keys(engine.key_scope.part, hashes))
+
+
+#: Three prompts of 41 tokens: 40 to match (10 pages), the last always computed.
+PROMPTS = [prompt(seed, 41) for seed in (1, 2, 3)]
+WHOLE = 40
+
+
+def filled_store() -> str:
+    """A memory store holding every page of ``PROMPTS`` (written by an engine with a fast store)."""
+    store = f"cost-{uuid.uuid4().hex}"
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store)) as filler:
+        filler.serve([Request(f"fill-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        filler.drain()
+        assert all(stored_pages(filler, p) == WHOLE // PAGE for p in PROMPTS)
+        assert filler.metrics.snapshot()["storage_backup_deferred"] == 0, "a store faster than compute: write-through writes all"
+    return store
+
+
+def test_a_store_too_slow_to_beat_compute_is_not_read_and_the_engine_recomputes():
+    """A page reads in a second and computes in 1/256 s: on an engine with no compute ahead worth
+    a page of reading, no stored page is worth loading, so each prefetch is declined whole before
+    the store is even asked. What the engine did not write it does not know is stored."""
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    store = filled_store()
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, CRAWLING_READ)) as engine:
+        assert engine.host_pool is not None and engine.host_pool.page_bytes == PAGE_BYTES
+        got = engine.serve(requests)
+        counters = engine.metrics.snapshot()
+        calls = engine.controller.storage.stats()  # type: ignore[union-attr]
+    assert_identical(expected, got)
+    assert [r.cached_storage for r in got] == [0, 0, 0] and [r.computed for r in got] == [len(p) for p in PROMPTS]
+    assert counters["prefetch_lookups_skipped"] == counters["prefetch_declined_by_cost"] == 3
+    assert counters["prefetch_declined_pages"] == 0 and [r.stored_recomputed for r in got] == [0] * 3, "another engine's pages"
+    assert counters["prefetch_pages"] == counters["prefetch_bytes"] == 0
+    assert calls["get_calls"] == calls["bytes_read"] == 0, "the store was not read"
+
+
+def test_pages_an_engine_stored_itself_count_as_recomputed_when_it_declines_them():
+    """The engine wrote the pages while its store was fast; then the store slows to a page a
+    second (its read speed given anew, as a fit of new timings would). Declined without a lookup,
+    the pages are still known stored, and reported as stored tokens the requests recomputed."""
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}", FAST_READ)) as engine:
+        assert_identical(expected, engine.serve(requests))
+        engine.drain()
+        assert all(stored_pages(engine, p) == WHOLE // PAGE for p in PROMPTS)
+        engine.flush_cache()
+        engine.controller.cost.reads.given = CRAWLING_READ
+        got = engine.serve([Request(f"again-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, got)
+    assert [r.cached_storage for r in got] == [0, 0, 0] and [r.stored_recomputed for r in got] == [WHOLE] * 3
+    assert counters["prefetch_lookups_skipped"] == 3 and counters["prefetch_declined_pages"] == 3 * WHOLE // PAGE
+    assert counters["prefetch_pages"] == 0
+
+
+def test_a_store_faster_than_compute_serves_every_stored_page_after_a_flush():
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}", FAST_READ)) as engine:
+        assert_identical(expected, engine.serve(requests))
+        engine.drain()
+        engine.flush_cache()
+        again = engine.serve([Request(f"again-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, again)
+    assert [r.cached_storage for r in again] == [WHOLE] * 3 and [r.stored_recomputed for r in again] == [0] * 3
+    assert counters["prefetch_declined_pages"] == 0 and counters["prefetch_pages"] == 3 * WHOLE // PAGE
+
+
+def serve_submitted_together(engine: Engine, requests: list[Request]) -> dict[str, RequestResult]:
+    """Submit ``requests`` at once, wait until the last one's prefetch is answered (nothing starts
+    meanwhile: the engine is not stepped, so every request is still queued for compute when
+    that prefetch is planned), then serve them all."""
+    for request in requests:
+        engine.submit(request)
+    op = engine.admission.waiting[-1].prefetch
+    assert op is not None, "the last request plans a prefetch"
+    assert op.done.wait(DEADLINE_S), "its prefetch never finished"
+    while engine.has_work():
+        engine.step()
+    return {r.rid: r for r in engine.take_results()}
+
+
+def test_compute_queued_ahead_lets_a_slow_store_serve_the_head_that_arrives_in_time():
+    """``first`` computes 134 new tokens, queued ahead of ``second``: 134/1024 = 0.1309 s. At 1/64 s
+    a page (and 1/2^20 s to copy it), 8.37 pages' worth of reading fit in that time, so 8 pages of
+    ``second``'s stored prefix (20) are ready by then; the ninth is ready 0.0098 s after the engine
+    could start on ``second``, more than computing a page takes (1/256 s). So ``second`` loads 8
+    pages and recomputes the other 12."""
+    history = prompt(10, 81)  # 80 tokens to match: 20 pages stored
+    requests = [Request("first", prompt(11, 134), NEW_TOKENS), Request("second", history, NEW_TOKENS)]
+    expected = uncached(requests)
+    store = f"cost-{uuid.uuid4().hex}"
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store)) as filler:
+        filler.serve([Request("fill", history, NEW_TOKENS)])
+        filler.drain()
+        assert stored_pages(filler, history) == 20
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, SLOW_READ)) as engine:
+        got = serve_submitted_together(engine, requests)
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, [got["first"], got["second"]])
+    second = got["second"]
+    # It asked the store about the pages it could load (those ready in time, and the one after):
+    # what the store holds past them, another engine wrote, it does not know (no stored_recomputed).
+    assert second.cached_storage == 8 * PAGE and second.stored_recomputed == 0
+    assert second.computed == len(history) - 8 * PAGE
+    assert counters["prefetch_pages"] == 8 and counters["prefetch_bytes"] == 8 * PAGE_BYTES, "only the head was read"
+    assert got["first"].cached_storage == 0
+
+
+# --- a hybrid model -----------------------------------------------------------------------------
+
+#: A small FULL + SWA + recurrent model (each kind of state a cut must have), without a draft.
+HYBRID = HybridModelConfig(hidden=32, head_dim=8, ffn=64, layer_kinds=("full", "swa", "recurrent", "full"), window=12, state_dim=16)
+HYBRID_PAGE = 8
+
+
+def hybrid_config(tiers: CacheTiers, store: str, read_bytes_per_s: float) -> EngineConfig:
+    prefetch = PrefetchConfig(threshold_tokens=HYBRID_PAGE, stop_policy=StopPolicy.WAIT_COMPLETE)
+    return EngineConfig(
+        model=HYBRID, tiers=tiers, page_size=HYBRID_PAGE, device_pages=48, host_pages=96, host_ratio=None,
+        hybrid=HybridPools(swa_device_pages=32, device_checkpoints=6, host_checkpoints=24, draft=False),
+        controller=ControllerConfig(prefetch=prefetch, cost=speeds(read_bytes_per_s)),
+        storage_backend="memory" if tiers.storage else None, storage_config={"store": store} if tiers.storage else None,
+        max_running=2,
+    )
+
+
+def test_a_hybrid_models_head_is_cut_back_to_a_boundary_every_pool_resumes_at():
+    """The store holds the hybrid state of a 65-token history at two boundaries (4 pages, where a
+    first turn ended, and 8, its end). With compute queued ahead, the plan's head (6 pages) lies
+    between them: the request restores the 4 pages of the deeper boundary it covers and
+    recomputes the rest, outputs bit-identical to no cache."""
+    history = prompt(20, 8 * HYBRID_PAGE + 1)
+    store = f"cost-hybrid-{uuid.uuid4().hex}"
+    with Engine(hybrid_config(CacheTiers.L1_L2_L3, store, FAST_READ)) as filler:
+        filler.serve([Request("turn-1", history[: 4 * HYBRID_PAGE + 1], 2)])
+        filler.serve([Request("turn-2", history, 2)])
+        filler.drain()
+        multipool = filler.controller.store
+        assert multipool is not None
+        cuts = multipool.lookup(page_hashes(history[: 8 * HYBRID_PAGE], HYBRID_PAGE)).cuts
+        assert filler.host_pool is not None
+        page_bytes = filler.host_pool.page_bytes
+    assert set(cuts) >= {4, 8} and not any(4 < cut < 8 for cut in cuts), cuts
+    # ``first`` queues 160 tokens of compute (0.156 s) ahead of ``second``; the store is given the
+    # speed that reads 6.5 pages in that time (a page in 0.024 s, three times as long as computing
+    # one, 8/1024 s): the plan's head is 6 pages (the seventh is ready half a page of reading,
+    # 0.012 s, after the engine could start on ``second``: more than computing it takes).
+    ahead_s = 160 / COMPUTE_TOKENS_PER_S
+    read = 6.5 * page_bytes / ahead_s
+    model = CostModel(speeds(read))
+    model.enqueue("first", 160)
+    assert model.pages_to_load("second", 8, page_bytes=page_bytes, page_tokens=HYBRID_PAGE).pages == 6
+    requests = [Request("first", prompt(21, 160), 2), Request("second", history, 2)]
+    with Engine(hybrid_config(CacheTiers.OFF, "", FAST_READ)) as plain:
+        expected = plain.serve(requests)
+    with Engine(hybrid_config(CacheTiers.L1_L2_L3, store, read)) as engine:
+        got = serve_submitted_together(engine, requests)
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, [got["first"], got["second"]])
+    assert got["second"].cached_storage == 4 * HYBRID_PAGE, "the head of 6 pages, cut back to the boundary at 4"
+    assert got["second"].stored_recomputed == 0, "it asked only about its head: the rest, another engine's, it does not know"
+    assert counters["prefetch_pages"] == 4, "only the pages up to the cut were read"
+
+
+# --- write-through while the store is the slow leg ----------------------------------------------
+
+
+def test_write_through_degrades_to_what_loads_would_take_while_the_store_is_the_slow_leg():
+    """Loading a page (1/64 s) costs four times computing it (1/256 s), and this engine is never
+    busy when a request comes: every plan loads none of what the request wants from L3 (no compute
+    ahead hides a read), so loads would take none of what is stored (``CostModel.load_share``) and
+    write-through writes nothing, however often the node is hit; each offer is a deferral. From a
+    store faster than compute, nothing waits."""
+    history = prompt(30, 41)
+    store = f"cost-{uuid.uuid4().hex}"
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, SLOW_READ, selective_hits=1)) as engine:
+        stored_after = []
+        for serve in range(3):
+            engine.serve([Request(f"serve-{serve}", history, NEW_TOKENS)])
+            engine.drain()
+            stored_after.append(stored_pages(engine, history))
+        counters = engine.metrics.snapshot()
+    assert stored_after == [0, 0, 0], "a store no load would read from is not written"
+    assert counters["storage_backup_deferred"] == 3 and counters["storage_backup_pages"] == 0
+    elsewhere = prompt(31, 41)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, FAST_READ, selective_hits=1)) as fast:
+        fast.serve([Request("elsewhere", elsewhere, NEW_TOKENS)])
+        fast.drain()
+        assert fast.metrics.snapshot()["storage_backup_deferred"] == 0
+        assert stored_pages(fast, elsewhere) == WHOLE // PAGE, "a fast store: write-through writes at once"
