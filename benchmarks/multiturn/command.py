@@ -11,7 +11,13 @@ from pathlib import Path
 
 from hicache_storage.commands import UsageError, at_least, positive_rate
 
-#: L1 (and L2) of a branch-backup run unless --device-tokens says otherwise.
+#: The CLI's --compute choices (hicache_storage.benchmarks.multiturn.runner.COMPUTE_PRESETS; kept
+#: here too so that building the parser imports no torch).
+COMPUTE_PRESET_NAMES = ("l4-7b", "h200-7b")
+
+#: L1 (and L2) of a branch-backup run unless --device-tokens says otherwise: where its figures
+#: in docs/benchmarks.md were first measured. The default preset's 12,288 gives the same restores
+#: (a hybrid prefetch longer than the prefetch capacity runs alone instead of being capped).
 BRANCH_BACKUP_DEVICE_TOKENS = 32768
 
 
@@ -63,8 +69,22 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         help="modeled cost (Qwen2.5-7B's KV), the real tiny model, or a modeled hybrid: FULL + SWA (DeepSeek-V4-Flash) or "
         "FULL + SWA + recurrent (Inkling-Small's compute on Hymba-1.5B's cache shape); docs/hybrid.md (default: %(default)s)",
     )
-    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: the model's: 4,000, Qwen2.5-7B on an NVIDIA L4)")
-    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: the model's: 50 ms, same GPU)")
+    compute.add_argument(
+        "--compute",
+        choices=sorted(COMPUTE_PRESET_NAMES),
+        default=None,
+        help="a named accelerator for --model modeled: l4-7b (Qwen2.5-7B on an NVIDIA L4: 4,000 prefill tok/s, 50 ms/decode step; "
+        "the default) or h200-7b (the same model on an NVIDIA H200: 40,000 tok/s, 5 ms); docs/benchmarks.md derives them",
+    )
+    compute.add_argument("--prefill-tokens-per-s", type=float, default=None, help="modeled prefill rate (default: the model's or --compute's)")
+    compute.add_argument("--decode-step-ms", type=float, default=None, help="modeled decode step of the whole batch (default: the model's or --compute's)")
+    compute.add_argument(
+        "--load-policy",
+        default="cost",
+        choices=["cost", "all"],
+        help="which stored pages a prefetch loads: cost (those that arrive before computing them would be done, from speeds "
+        "measured live; the default) or all (every stored page past the threshold, SGLang's behaviour); docs/benchmarks.md",
+    )
     compute.add_argument("--layers", type=at_least(1), default=None, help="modeled KV layers (default: 28, Qwen2.5-7B)")
     compute.add_argument("--kv-heads", type=at_least(1), default=None, help="modeled KV heads (default: 4)")
     compute.add_argument("--head-dim", type=at_least(1), default=None, help="modeled head dim (default: 128)")
@@ -107,13 +127,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from hicache_storage.benchmarks.multiturn.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
     from hicache_storage.benchmarks.multiturn.workload import Workload
     from hicache_storage.config import load_config_source
+    from hicache_storage.cost import LoadPolicy
     from hicache_storage.conformance.preflight import check_options
 
     shape = dict(PRESETS[args.preset])
     if args.experiment == "branch-backup":
-        # A prefetch op is capped at half the host pool: at the default 12,288 tokens (96 pages)
-        # it stops short of the 6,400-token branch point, the only boundary with stored state, and
-        # no request restores the prefix (docs/benchmarks.md, branch backup).
+        # The L1 and L2 the published figures were measured at (see BRANCH_BACKUP_DEVICE_TOKENS).
         shape["device_tokens"] = max(shape["device_tokens"], BRANCH_BACKUP_DEVICE_TOKENS)
     shape.update({name: getattr(args, name) for name in shape if getattr(args, name) is not None})
     try:
@@ -126,6 +145,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         workload = Workload(shape["clients"], shape["rounds"], shape["request_length"], args.output_length, args.max_running, not args.no_round_barrier, args.seed)
     except ValueError as exc:
         raise UsageError(f"bench: {exc}") from None
+    if args.compute is not None and args.model != "modeled":
+        raise UsageError(f"bench: --compute models Qwen2.5-7B's compute; it needs --model modeled, not {args.model}")
     if args.model.startswith("hybrid-") and any(getattr(args, n) is not None for n in ("layers", "kv_heads", "head_dim")):
         raise UsageError("bench: --layers, --kv-heads and --head-dim shape the FULL-only modeled model; a hybrid --model has its own shape (docs/hybrid.md)")
     if args.experiment == "branch-backup" and not args.model.startswith("hybrid-"):
@@ -152,6 +173,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             write_policy=WritePolicy(args.write_policy),
             stop_policy=StopPolicy(args.stop_policy),
             prefetch_threshold=args.prefetch_threshold,
+            load_policy=LoadPolicy(args.load_policy),
+            compute=args.compute,
             backend=args.backend,
             backend_config=load_config_source(args.config) if args.config else None,
             **{name: value for name, value in modeled.items() if value is not None},

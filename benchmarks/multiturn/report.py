@@ -17,6 +17,7 @@ def overall_table(result: dict[str, Any]) -> str:
         o = run["overall"]
         speedup = f"{o['input_tokens_per_s'] / baseline:.2f}x" if baseline else "-"
         bound = run.get("bound")
+        reachable = run.get("reachable")
         rows.append(
             (
                 run["tiers"],
@@ -29,6 +30,8 @@ def overall_table(result: dict[str, Any]) -> str:
                 speedup,
                 f"{bound['bound_vs_l1']:.2f}x" if bound and bound["bound_vs_l1"] is not None else "-",
                 f"{bound['efficiency']:.2f} ({bound['limit']})" if bound else "-",
+                f"{reachable['bound_vs_l1']:.2f}x" if reachable and reachable["bound_vs_l1"] is not None else "-",
+                f"{reachable['efficiency']:.2f}" if reachable else "-",
                 o["device_tokens"],
                 o["host_tokens"],
                 o["storage_tokens"],
@@ -37,7 +40,10 @@ def overall_table(result: dict[str, Any]) -> str:
             )
         )
     return markdown_table(
-        ["tiers", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "vs L1", "bound vs L1", "efficiency (limit)", "from L1", "from L2", "from L3", "L3 written", "L3 read"],
+        [
+            "tiers", "hit rate", "TTFT mean ms", "p50", "p90", "p99", "input tok/s", "vs L1", "bound vs L1", "efficiency (limit)",
+            "reachable vs L1", "efficiency (reachable)", "from L1", "from L2", "from L3", "L3 written", "L3 read",
+        ],
         rows,
     )
 
@@ -65,6 +71,33 @@ def bound_lines(result: dict[str, Any]) -> list[str]:
         if run.get("bound")
     ]
     lines.append(markdown_table(["tiers", "compute s", "storage s", "copies s", "bound s", "wall s", "efficiency"], rows))
+    reachable = [
+        (
+            run["tiers"],
+            run["reachable"]["bound_s"],
+            run["reachable"]["wall_s"],
+            f"{run['reachable']['efficiency']:.2f}",
+            int(run["metrics"]["storage_hit_tokens"]),
+            int(run["metrics"].get("storage_recomputed_tokens", 0)),
+            run["reachable"]["best_loaded_tokens"],
+            run["reachable"]["best_recomputed_tokens"],
+        )
+        for run in result["runs"]
+        if run.get("reachable")
+    ]
+    if reachable:
+        lines += [
+            "",
+            "Reachable bound: round by round, each request's compute after its own loads, the least decode steps, L1's "
+            f"capacity, the store and the copies sharing the machine (measured overlap {legs.get('overlap', 1.0):.2f}: 1 is "
+            "none, 2 perfect), and the best choice between loading and computing each stored token "
+            "(benchmarks/multiturn/reachable.py). "
+            "The run's choice (the cost model's) beside the best one:",
+            "",
+            markdown_table(
+                ["tiers", "reachable s", "wall s", "efficiency", "loaded from L3", "stored, recomputed", "best: loaded", "best: recomputed"], reachable
+            ),
+        ]
     side = [(run["tiers"], run["side_pool_bytes"]) for run in result["runs"] if run.get("side_pool_bytes")]
     if side:
         lines += [

@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
+from hicache_storage.cost import CostConfig, LoadPolicy
+
 from hicache_storage.benchmarks.multiturn.bound import Legs, bound_of, measure_legs
+from hicache_storage.benchmarks.multiturn.reachable import RequestWork, RoundWork, Shape, reachable_bound
 from hicache_storage.benchmarks.multiturn.workload import Served, Workload, run_workload
 from hicache_core.controller import ControllerConfig, PrefetchConfig, StopPolicy, WritePolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig
@@ -33,6 +36,16 @@ from hicache_core.requests import HybridPools
 #: gives ~4,000 tokens/s. Decode: one step reads ~15 GB of weights at ~300 GB/s: ~50 ms.
 L4_PREFILL_TOKENS_PER_S = 4_000.0
 L4_DECODE_STEP_S = 0.050
+#: The same model (its KV shape unchanged) on one NVIDIA H200: prefill 15.2 GFLOP/token at ~60% of
+#: the H200's 989 dense bf16 TFLOP/s gives ~40,000 tokens/s; a decode step reads ~15 GB of weights
+#: at 4.8 TB/s (3.2 ms) plus the batch's KV and kernel launches: ~5 ms (docs/benchmarks.md).
+H200_PREFILL_TOKENS_PER_S = 40_000.0
+H200_DECODE_STEP_S = 0.005
+#: Named compute speeds (the CLI's ``--compute``): the modeled prefill rate and decode step.
+COMPUTE_PRESETS: dict[str, tuple[float, float]] = {
+    "l4-7b": (L4_PREFILL_TOKENS_PER_S, L4_DECODE_STEP_S),
+    "h200-7b": (H200_PREFILL_TOKENS_PER_S, H200_DECODE_STEP_S),
+}
 #: Qwen2.5-7B's KV shape: 28 layers x 4 KV heads x 128 dims; FP8 -> 28 KiB per token.
 QWEN7B_LAYERS, QWEN7B_KV_HEADS, QWEN7B_HEAD_DIM, QWEN7B_KV_DTYPE = 28, 4, 128, "float8_e4m3fn"
 
@@ -55,7 +68,11 @@ class BenchConfig:
     #: ``hybrid-swa`` / ``hybrid-swa-recurrent``: a hybrid shape of :data:`HYBRID_SHAPES`, modeled
     #: (its own pools, window and checkpoint; ``layers``, ``kv_heads``, ``head_dim``, ``dtype`` unused).
     model: str = "modeled"
-    #: Modeled costs; ``None``: the model's own (Qwen2.5-7B on an L4, or the hybrid shape's).
+    #: A named compute speed of :data:`COMPUTE_PRESETS` (FULL-only modeled model); the two
+    #: fields below override it.
+    compute: str | None = None
+    #: Modeled costs; ``None``: the compute preset's, else the model's own (Qwen2.5-7B on an L4,
+    #: or the hybrid shape's).
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None
     layers: int = QWEN7B_LAYERS
@@ -70,6 +87,8 @@ class BenchConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     stop_policy: StopPolicy = PrefetchConfig.stop_policy
     prefetch_threshold: int = 256
+    #: Which stored pages a prefetch loads (the cost model's, or all: see hicache_storage.cost).
+    load_policy: LoadPolicy = LoadPolicy.COST
     #: L3 backend; ``None`` is the embedded default: the file connector in a temporary directory.
     backend: str | None = None
     backend_config: dict[str, Any] | None = None
@@ -78,6 +97,14 @@ class BenchConfig:
         if self.model not in ("reference", "modeled", *HYBRID_SHAPES):
             raise ValueError(f"model must be one of reference, modeled, {', '.join(HYBRID_SHAPES)}; got {self.model!r}")
         hybrid = HYBRID_SHAPES.get(self.model)
+        if self.compute is not None:
+            if self.compute not in COMPUTE_PRESETS:
+                raise ValueError(f"compute must be one of {', '.join(COMPUTE_PRESETS)}; got {self.compute!r}")
+            if hybrid or self.model == "reference":
+                raise ValueError(f"a compute preset models Qwen2.5-7B's compute: it needs model 'modeled', not {self.model!r}")
+            prefill, decode = COMPUTE_PRESETS[self.compute]
+            self.prefill_tokens_per_s = prefill if self.prefill_tokens_per_s is None else self.prefill_tokens_per_s
+            self.decode_step_s = decode if self.decode_step_s is None else self.decode_step_s
         if self.prefill_tokens_per_s is None:
             self.prefill_tokens_per_s = hybrid.compute.prefill_tokens_per_s if hybrid else L4_PREFILL_TOKENS_PER_S
         if self.decode_step_s is None:
@@ -128,6 +155,7 @@ class BenchConfig:
             controller=ControllerConfig(
                 write_policy=self.write_policy,
                 prefetch=PrefetchConfig(threshold_tokens=self.prefetch_threshold, stop_policy=self.stop_policy),
+                cost=CostConfig(policy=self.load_policy),
             ),
             storage_backend=backend if tiers.storage else None,
             storage_config=backend_config if tiers.storage else None,
@@ -176,6 +204,10 @@ class TierRun:
     #: the engine's counters (FULL pool) leave out, and the seconds its device <-> host copies took
     #: (``load_seconds``, ``backup_seconds``); None for FULL-only models.
     side_pool_bytes: dict[str, float] | None = None
+    #: What each round moved, request by request (the reachable bound's input; see :mod:`.reachable`).
+    round_work: list[RoundWork] = field(default_factory=list)
+    #: The bound this run could reach, with the best load-or-recompute choice (see :mod:`.reachable`).
+    reachable: dict[str, Any] | None = None
 
 
 def summarize(label: int | str, served: Sequence[Served], wall_s: float | None = None) -> RoundStats:
@@ -213,15 +245,39 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
         engine_config = config.engine_config(tiers, storage_root=f"{scratch}/l3")
         questions = config.workload.questions(engine_config.model.vocab_size)
         with Engine(engine_config) as engine:
+            moved = getattr(engine.runner, "moved", None)
+            marks = [_round_mark(engine.metrics.snapshot(), moved)]
+
+            def round_done(round_: int) -> None:
+                marks.append(_round_mark(engine.metrics.snapshot(), moved))
+                if on_round is not None:
+                    on_round(round_)
+
             started = time.perf_counter()
-            served = run_workload(engine, config.workload, questions, on_round)
+            served = run_workload(engine, config.workload, questions, round_done)
             wall = time.perf_counter() - started
             metrics = engine.metrics.snapshot()
-            moved = getattr(engine.runner, "moved", None)
             side = {**moved.bytes, **{f"{leg}_seconds": s for leg, s in moved.copy_seconds.items()}} if moved is not None else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rounds = [summarize(r, [s for s in served if s.round == r]) for r in range(config.workload.rounds)]
+    page_bytes = config.page_size * config.kv_bytes_per_token()
+    work = [
+        RoundWork(
+            tuple(
+                RequestWork(
+                    s.result.cached_host, s.result.cached_storage, s.result.stored_recomputed, s.result.computed, s.result.prompt_tokens + len(s.result.output_ids)
+                )
+                for s in served
+                if s.round == r
+            ),
+            storage_written=after["storage_backup_bytes"] - before["storage_backup_bytes"],
+            backed_up=(after["host_backup_pages"] - before["host_backup_pages"]) * page_bytes + after["side_backup"] - before["side_backup"],
+            side_read=after["side_storage_read"] - before["side_storage_read"],
+            side_loaded=after["side_load"] - before["side_load"],
+        )
+        for r, (before, after) in enumerate(zip(marks, marks[1:]))
+    ]
     return TierRun(
         tiers=tiers.value,
         rounds=rounds,
@@ -230,10 +286,23 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
         storage_bytes_read=int(metrics["prefetch_bytes"]) + (side["storage_read"] if side else 0),
         metrics=metrics,
         side_pool_bytes=side,
+        round_work=work,
     )
 
 
-def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+def _round_mark(metrics: dict[str, float], moved: Any) -> dict[str, float]:
+    """The counters a round's work is the difference of (a hybrid model's side pools too)."""
+    side = moved.bytes if moved is not None else {}
+    return {
+        "storage_backup_bytes": metrics["storage_backup_bytes"],
+        "host_backup_pages": metrics["host_backup_pages"],
+        "side_backup": side.get("backup", 0.0),
+        "side_storage_read": side.get("storage_read", 0.0),
+        "side_load": side.get("load", 0.0),
+    }
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None = None, *, l1_wall_s: float | None = None) -> dict[str, Any]:
     """Every tier configuration of ``config``, one after the other, each with its bound; plain data for JSON.
 
     The legs (store, copies, compute) are measured in the same process, on the geometry and
@@ -247,11 +316,14 @@ def run_bench(config: BenchConfig, progress: Callable[[str, int], None] | None =
     for tiers in config.tiers:
         runs.append(run_tiers(config, tiers, partial(progress, tiers.value) if progress else None))
     legs = legs.fastest(measure_bench_legs(config))
-    l1_wall = next((run.overall.wall_s for run in runs if run.tiers == CacheTiers.L1.value), None)
+    l1_wall = next((run.overall.wall_s for run in runs if run.tiers == CacheTiers.L1.value), l1_wall_s)
     page_bytes = config.page_size * config.kv_bytes_per_token()
     for run in runs:
         bound = bound_of(run.metrics, run.overall.wall_s, legs, page_bytes, l1_wall, run.side_pool_bytes)
         run.bound = bound.as_dict() if bound is not None else None
+        shape = Shape(config.kv_bytes_per_token(), config.workload.output_length, config.workload.max_running, config.device_tokens)
+        reachable = reachable_bound(run.round_work, legs, shape, wall_s=run.overall.wall_s, l1_wall_s=l1_wall)
+        run.reachable = reachable.as_dict() if reachable is not None else None
     return {"config": describe(config), "legs": legs.as_dict(), "runs": [asdict(run) for run in runs]}
 
 
@@ -272,6 +344,7 @@ def describe(config: BenchConfig) -> dict[str, Any]:
     data["tiers"] = [t.value for t in config.tiers]
     data["write_policy"] = config.write_policy.value
     data["stop_policy"] = config.stop_policy.value
+    data["load_policy"] = config.load_policy.value
     data["kv_bytes_per_token"] = config.kv_bytes_per_token()
     data["backend"] = config.backend or "file (temporary directory)"
     if config.hybrid:

@@ -17,7 +17,14 @@ from hicache_core.engine import CacheTiers, Engine, EngineConfig, Request
 from hicache_core.hybrid.modeled import HYBRID_SHAPES
 from hicache_core.requests import HybridPools
 
+from hicache_storage.cost import LoadPolicy
+
+from pinned_cost import LOAD_AND_STORE_EVERY_PAGE
+
 FAST = {"prefill_tokens_per_s": 1e6, "decode_step_s": 1e-4, "stop_policy": StopPolicy.WAIT_COMPLETE}
+#: For a bench whose test counts the tokens L3 served: every stored page is read, whatever the
+#: speeds (a bench takes the load policy only; tests/helpers/pinned_cost.py says why).
+LOAD_EVERY_PAGE = LoadPolicy.ALL
 TINY_CLI = ["--clients", "3", "--rounds", "2", "--request-length", "192", "--output-length", "2", "--max-running", "2",
             "--device-tokens", "4096", "--prefetch-threshold", "64", "--prefill-tokens-per-s", "1e6", "--decode-step-ms", "0.1",
             "--stop-policy", "wait_complete"]
@@ -54,7 +61,7 @@ def test_hybrid_multi_turn_restores_every_pool_from_l3_and_its_bound_counts_them
     config = BenchConfig(
         model="hybrid-swa",
         workload=Workload(clients=4, rounds=3, request_length=256, output_length=2, max_running=2),
-        page_size=64, device_tokens=1024, host_ratio=1.0, prefetch_threshold=64, **FAST,
+        page_size=64, device_tokens=1024, host_ratio=1.0, prefetch_threshold=64, load_policy=LOAD_EVERY_PAGE, **FAST,
     )
     result = run_bench(config)
     runs = {run["tiers"]: run for run in result["runs"]}
@@ -76,7 +83,9 @@ def test_the_modeled_runner_moves_what_the_pools_hold(tmp_path):
     L3 with exactly its SWA window and its checkpoint (the bytes the pools hold for that boundary)."""
     config = small_recurrent_engine(
         CacheTiers.L1_L2_L3, storage_backend="file", storage_config={"root": str(tmp_path)},
-        controller=ControllerConfig(prefetch=PrefetchConfig(threshold_tokens=PAGE, stop_policy=StopPolicy.WAIT_COMPLETE)),
+        controller=ControllerConfig(
+            prefetch=PrefetchConfig(threshold_tokens=PAGE, stop_policy=StopPolicy.WAIT_COMPLETE), cost=LOAD_AND_STORE_EVERY_PAGE
+        ),
     )
     model, page = config.model, PAGE
     prompt = [random.Random(1).randrange(model.vocab_size) for _ in range(200)]
@@ -95,7 +104,8 @@ def test_the_modeled_runner_moves_what_the_pools_hold(tmp_path):
 
 
 def test_branch_backup_restores_every_branch_with_backfill_only():
-    config = BenchConfig(model="hybrid-swa-recurrent", workload=Workload(output_length=2), device_tokens=8192, **FAST)
+    config = BenchConfig(model="hybrid-swa-recurrent", workload=Workload(output_length=2), device_tokens=8192,
+                         load_policy=LOAD_EVERY_PAGE, **FAST)
     result = branch_backup(config, shared=1280, new=128, branches=3)
     on, off = result["branch_backup"]
     assert on["backfill"] and not off["backfill"]
@@ -105,7 +115,7 @@ def test_branch_backup_restores_every_branch_with_backfill_only():
 
 def test_a_prefilled_store_serves_round_zero_from_l3():
     config = BenchConfig(model="hybrid-swa", workload=Workload(clients=2, rounds=2, request_length=256, output_length=2, max_running=2),
-                         device_tokens=2048, prefetch_threshold=64, **FAST)
+                         device_tokens=2048, prefetch_threshold=64, load_policy=LOAD_EVERY_PAGE, **FAST)
     plain, filled = prefilled_l3(config)["prefilled_l3"]
     assert plain["run"] == "plain L3" and filled["fill_s"] is not None
     assert plain["overall"]["storage_tokens"] == 0 and filled["overall"]["storage_tokens"] > 0

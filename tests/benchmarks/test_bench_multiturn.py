@@ -9,6 +9,7 @@ import pytest
 from hicache_storage.benchmarks.multiturn.runner import BenchConfig, run_bench
 from hicache_storage.benchmarks.multiturn.workload import Workload
 from hicache_core.controller import StopPolicy
+from hicache_storage.cost import LoadPolicy
 
 TINY = ["--clients", "3", "--rounds", "3", "--request-length", "64", "--output-length", "2", "--max-running", "2",
         "--device-tokens", "256", "--page-size", "16", "--prefetch-threshold", "16", "--prefill-tokens-per-s", "1e6",
@@ -26,6 +27,9 @@ def test_modeled_bench_restores_from_l3_once_history_overflows_l1_and_l2():
         page_size=16, device_tokens=256, host_ratio=1.0, prefetch_threshold=16,
         # compute this fast leaves best_effort prefetches no time to land: wait for them instead
         stop_policy=StopPolicy.WAIT_COMPLETE,
+        # it counts the tokens and bytes L3 served: every stored page is read, whatever the speeds
+        # (a bench takes the load policy only; tests/helpers/pinned_cost.py says why)
+        load_policy=LoadPolicy.ALL,
     )
     result = run_bench(config)
     runs = {run["tiers"]: run for run in result["runs"]}
@@ -128,3 +132,52 @@ def test_legs_measured_twice_keep_the_faster_of_each_speed():
     assert (best.storage_write, best.storage_read, best.backup, best.load) == (0.6e9, 2.0e9, 3e9, 2e9)
     no_store = Legs(storage_write=None, storage_read=None, backup=1e9, load=1e9, prefill_tokens_per_s=None, decode_step_s=None)
     assert no_store.fastest(after).storage_write == 0.6e9 and no_store.fastest(no_store).storage_read is None
+
+
+@pytest.mark.parametrize("model, tiers", [("modeled", ("L1", "L1+L2+L3")), ("modeled", ("L1+L2+L3",)), ("reference", ("L1+L2+L3",))])
+def test_each_run_records_its_rounds_work_and_a_reachable_bound_under_modeled_compute(model, tiers):
+    """The reachable bound's input, request by request, adds up with what the run served; no
+    figure is asserted (the cost model's loads and the times drift), only the structure."""
+    from hicache_core.engine import CacheTiers
+
+    workload = Workload(clients=3, rounds=3, request_length=64, output_length=2, max_running=2)
+    config = BenchConfig(
+        model=model, workload=workload, tiers=tuple(CacheTiers(t) for t in tiers),
+        prefill_tokens_per_s=1e6, decode_step_s=1e-4, layers=2, kv_heads=2, head_dim=16,
+        page_size=16, device_tokens=256, prefetch_threshold=16, stop_policy=StopPolicy.WAIT_COMPLETE,
+    )
+    given_l1_wall_s = 1.0  # an earlier L1 run's, for a bench without L1
+    result = json.loads(json.dumps(run_bench(config, l1_wall_s=given_l1_wall_s)))  # as the bench writes it
+    assert [run["tiers"] for run in result["runs"]] == list(tiers)
+    for run in result["runs"]:
+        assert len(run["round_work"]) == len(run["rounds"]) == workload.rounds
+        for stats, work in zip(run["rounds"], run["round_work"]):
+            requests = work["requests"]
+            assert len(requests) == stats["requests"] == workload.clients
+            # every prompt token came from one place: L1, L2, L3 or computed
+            assert stats["device_tokens"] + stats["host_tokens"] + stats["storage_tokens"] + stats["computed_tokens"] == stats["prompt_tokens"]
+            assert sum(r["from_host"] for r in requests) == stats["host_tokens"]
+            assert sum(r["from_storage"] for r in requests) == stats["storage_tokens"]
+            assert sum(r["computed"] for r in requests) == stats["computed_tokens"]
+            # the context a request holds is its prompt and its output
+            assert sum(r["context"] for r in requests) == stats["prompt_tokens"] + len(requests) * workload.output_length
+            for r in requests:
+                assert 0 <= r["stored_recomputed"] <= r["computed"], r
+                assert r["from_host"] + r["from_storage"] + r["computed"] <= r["context"] - workload.output_length, r
+            assert work["storage_written"] >= 0 and work["backed_up"] >= 0
+        if not run["tiers"].endswith("L3"):
+            assert all(r["from_storage"] == r["stored_recomputed"] == 0 for w in run["round_work"] for r in w["requests"])
+        reachable = run["reachable"]
+        if model == "reference":
+            assert reachable is None and run["bound"] is None, "the reference model has no modeled compute to bound"
+            continue
+        assert len(reachable["rounds_s"]) == workload.rounds and all(seconds > 0 for seconds in reachable["rounds_s"])
+        assert reachable["bound_s"] == pytest.approx(sum(reachable["rounds_s"]))
+        assert reachable["wall_s"] == run["overall"]["wall_s"]
+        assert reachable["efficiency"] == pytest.approx(reachable["bound_s"] / reachable["wall_s"])
+        # L1's own wall when the bench ran L1, else the one given
+        l1_wall = next((r["overall"]["wall_s"] for r in result["runs"] if r["tiers"] == "L1"), given_l1_wall_s)
+        assert reachable["bound_vs_l1"] == pytest.approx(l1_wall / reachable["bound_s"])
+        stored = sum(r["from_storage"] + r["stored_recomputed"] for w in run["round_work"] for r in w["requests"])
+        # each total is rounded from the program's loads on its own: together they may miss by one
+        assert abs(reachable["best_loaded_tokens"] + reachable["best_recomputed_tokens"] - stored) <= 1

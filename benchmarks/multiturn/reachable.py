@@ -1,0 +1,189 @@
+"""The bound a run could reach: each round's dependencies, the machine's cores, and the best
+choice between loading a stored prefix and computing it.
+
+The simple bound (:mod:`.bound`) is the busiest leg's total, as if the legs overlapped perfectly
+over the whole run. A barriered multi-turn run cannot overlap that way: a round's legs overlap
+only with each other (the next round's prompts do not exist yet), a request computes only once
+its prefix is on the device, L1 holds only so many requests' contexts, and the store's client
+and the device <-> host copies share the machine (its cores and memory bandwidth). And the simple bound holds the run to the hits it took: a run that loaded a
+page slower than computing it is held to that slow load. This bound fixes both, round by round:
+
+* **Per request** of a round: its prefix from L2 (``cached_host``) is copied to the device; of
+  the tokens the store held (``cached_storage`` loaded plus ``stored_recomputed``), any number
+  ``x`` may be loaded (read from the store, then copied) and the rest computed; the tokens no
+  tier held are computed.
+* **The round** takes at least the longest of:
+
+  - the GPU: every prefill, then the decode steps the round needs at least
+    (``ceil(requests x (output - 1) / max_running)``: a batch decodes its requests together; and
+    never fewer than one request's own ``output - 1``: each of its steps is a pass of its own);
+  - each request's own chain: its store read, then its time on the device (its copy to the
+    device overlapped with its prefill, layer-wise: the longer of the two), then ``output - 1``
+    decode steps;
+  - the store: the round's reads, and the writes the run made during it;
+  - the copies: the round's loads to the device and the backups the run made during it;
+  - the machine: the store's time and the copies' together, over how much they were measured to
+    overlap when run at once (``Legs.overlap``: on the bench's 2-core VM a store read and a load
+    share the memory bandwidth and hardly overlap; a GPU server's NIC and PCIe would);
+  - device memory: each request holds its whole context from its copy to its last decode step;
+    the sum of context x time cannot exceed L1's tokens x the round's time (requests whose
+    contexts do not fit L1 together run in waves).
+
+* The loads ``x`` are chosen to make that least: every term is linear in the loads and the
+  times, so each round is a small linear program (scipy's HiGHS) solved exactly.
+
+The bound is the sum over rounds. Its efficiency (bound / wall) is the share of what was
+possible that the run got; "reachable vs L1" is L1's wall over it. The decode steps a run took
+beyond the least, the scheduler's own CPU time and the backups' choice of what to write are the
+engine's to account for, not the bound's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hicache_storage.benchmarks.multiturn.bound import Legs
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """Where one request's prompt tokens came from (see ``RequestResult``), and its context."""
+
+    from_host: int
+    from_storage: int
+    #: Tokens the store held that the request computed.
+    stored_recomputed: int
+    computed: int
+    #: Tokens it holds in device memory by its end (prompt and output).
+    context: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the bound needs of the bench's configuration."""
+
+    token_bytes: int
+    output_tokens: int
+    max_running: int
+    #: Device (L1) capacity in tokens.
+    device_tokens: int
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    requests: tuple[RequestWork, ...]
+    #: Bytes the run wrote to the store and backed up device -> host during the round.
+    storage_written: float
+    backed_up: float
+    #: A hybrid model's other pools moved during the round (read from L3, loaded to the device).
+    side_read: float = 0.0
+    side_loaded: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reachable:
+    bound_s: float
+    wall_s: float
+    efficiency: float
+    #: L1's wall time over this bound (None without an L1 run).
+    bound_vs_l1: float | None
+    #: Tokens the best choice loads from the store and computes instead, of those it held.
+    best_loaded_tokens: int
+    best_recomputed_tokens: int
+    #: Each round's bound, seconds.
+    rounds_s: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reachable_bound(rounds: Sequence[RoundWork], legs: Legs, shape: Shape, *, wall_s: float, l1_wall_s: float | None) -> Reachable | None:
+    """The bound of a run served as ``rounds`` (see the module); None without modeled compute."""
+    if legs.prefill_tokens_per_s is None or legs.decode_step_s is None:
+        return None
+    times: list[float] = []
+    loaded = recomputed = 0.0
+    for work in rounds:
+        seconds, loads = _round_bound(work, legs, shape)
+        times.append(seconds)
+        loaded += sum(loads)
+        recomputed += sum(r.from_storage + r.stored_recomputed for r in work.requests) - sum(loads)
+    bound = sum(times)
+    return Reachable(
+        bound_s=bound,
+        wall_s=wall_s,
+        efficiency=bound / wall_s if wall_s > 0 else 0.0,
+        bound_vs_l1=l1_wall_s / bound if l1_wall_s is not None and bound > 0 else None,
+        best_loaded_tokens=round(loaded),
+        best_recomputed_tokens=round(recomputed),
+        rounds_s=tuple(times),
+    )
+
+
+def _speed(value: float | None) -> float:
+    return math.inf if value is None else value
+
+
+def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list[float]]:
+    """The least time of one round over every choice of loads, and the loads that reach it: a
+    linear program (variables: each request's loads ``x``, its time holding device memory
+    ``d``, the round's time ``T``; minimize ``T``)."""
+    from scipy.optimize import linprog
+
+    requests = work.requests
+    if not requests:
+        return 0.0, []
+    assert legs.prefill_tokens_per_s is not None and legs.decode_step_s is not None
+    n = len(requests)
+    read_s = shape.token_bytes / _speed(legs.storage_read)  # seconds per token read from the store
+    copy_s = shape.token_bytes / legs.load  # seconds per token copied host -> device
+    compute_s = 1.0 / legs.prefill_tokens_per_s
+    step = legs.decode_step_s
+    steps = max(shape.output_tokens - 1, 0)
+    tail = steps * step
+    # the modeled GPU runs prefills and decode steps one after another, and a request's steps are
+    # passes of their own: a round of fewer requests than max_running still takes all of them
+    decodes = max(math.ceil(n * steps / shape.max_running), steps) * step
+    held = [float(r.from_storage + r.stored_recomputed) for r in requests]
+    computed = [float(r.computed + r.from_storage) for r in requests]  # computed when nothing is loaded
+    host = [float(r.from_host) for r in requests]
+    # Variables: x_0..x_{n-1}, d_0..d_{n-1}, T. Rows: a_ub @ v <= b_ub.
+    rows: list[list[float]] = []
+    bounds: list[float] = []
+
+    def row(x: Sequence[float] = (), d: Sequence[float] = (), t: float = 0.0, rhs: float = 0.0) -> None:
+        rows.append([*(x or [0.0] * n), *(d or [0.0] * n), t])
+        bounds.append(rhs)
+
+    def one(i: int, value: float) -> list[float]:
+        return [value if j == i else 0.0 for j in range(n)]
+
+    for i in range(n):
+        # device time: the copy of its prefix and its prefill overlap (layer-wise), so it holds
+        # memory at least as long as the longer of the two
+        row(x=one(i, copy_s), d=one(i, -1.0), rhs=-host[i] * copy_s)
+        row(x=one(i, -compute_s), d=one(i, -1.0), rhs=-computed[i] * compute_s)
+        # its own chain: the store read, then device time, then the decode tail
+        row(x=one(i, read_s), d=one(i, 1.0), t=-1.0, rhs=-tail)
+    gpu = sum(computed) * compute_s + decodes
+    row(x=[-compute_s] * n, t=-1.0, rhs=-gpu)
+    # the store alone: the round's reads, and the writes the run made during it
+    fixed_store = work.storage_written / _speed(legs.storage_write) + work.side_read / _speed(legs.storage_read)
+    row(x=[read_s] * n, t=-1.0, rhs=-fixed_store)
+    # the copies alone: loads to the device, and the run's backups during the round
+    fixed_copies = sum(host) * copy_s + work.backed_up / legs.backup + work.side_loaded / legs.load
+    row(x=[copy_s] * n, t=-1.0, rhs=-fixed_copies)
+    # the machine: the store and the copies overlap only as much as they were measured to
+    row(x=[read_s + copy_s] * n, t=-legs.overlap, rhs=-(fixed_store + fixed_copies))
+    # device memory: each request holds its context through its device time and decode tail
+    contexts = [float(r.context) for r in requests]
+    row(d=contexts, t=-float(shape.device_tokens), rhs=-tail * sum(contexts))
+    objective = [0.0] * (2 * n) + [1.0]
+    variable_bounds = [(0.0, h) for h in held] + [(0.0, None)] * n + [(0.0, None)]
+    result = linprog(objective, A_ub=rows, b_ub=bounds, bounds=variable_bounds, method="highs")
+    if not result.success:
+        raise RuntimeError(f"the reachable bound's program for a round found no solution: {result.message}")
+    return float(result.x[-1]), [float(v) for v in result.x[:n]]
