@@ -15,8 +15,9 @@ page slower than computing it is held to that slow load. This bound fixes both, 
 * **The round** takes at least the longest of:
 
   - the GPU: every prefill, then the decode steps the round needs at least
-    (``ceil(requests x (output - 1) / max_running)``: a batch decodes its requests together; and
-    never fewer than one request's own ``output - 1``: each of its steps is a pass of its own);
+    (``ceil(requests x (output - 1) / batch)``: a step decodes its batch together, and a batch is
+    at most ``max_running`` requests and at most as many as L1 holds at once; and never fewer
+    than one request's own ``output - 1``: each of its steps is a pass of its own);
   - each request's own chain: its store read, then its time on the device (its copy to the
     device overlapped with its prefill, layer-wise: the longer of the two), then ``output - 1``
     decode steps;
@@ -145,8 +146,11 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     steps = max(shape.output_tokens - 1, 0)
     tail = steps * step
     # the modeled GPU runs prefills and decode steps one after another, and a request's steps are
-    # passes of their own: a round of fewer requests than max_running still takes all of them
-    decodes = max(math.ceil(n * steps / shape.max_running), steps) * step
+    # passes of their own: a round of fewer requests than max_running still takes all of them. A
+    # step decodes only requests resident in L1 together: at most max_running, and at most as
+    # many as fit (smallest prompts first)
+    batch = min(shape.max_running, _fit_together([r.context - steps for r in requests], shape.device_tokens))
+    decodes = max(math.ceil(n * steps / batch), steps) * step
     held = [float(r.from_storage + r.stored_recomputed) for r in requests]
     computed = [float(r.computed + r.from_storage) for r in requests]  # computed when nothing is loaded
     host = [float(r.from_host) for r in requests]
@@ -187,3 +191,14 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     if not result.success:
         raise RuntimeError(f"the reachable bound's program for a round found no solution: {result.message}")
     return float(result.x[-1]), [float(v) for v in result.x[:n]]
+
+
+def _fit_together(prompts: Sequence[int], device_tokens: int) -> int:
+    """The most of these requests L1 holds at once (at least one: a request always fits alone)."""
+    total = count = 0
+    for size in sorted(prompts):
+        total += size
+        if total > device_tokens:
+            break
+        count += 1
+    return max(count, 1)
