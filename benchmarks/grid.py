@@ -1,6 +1,6 @@
 """The multi-turn bench over a grid of stores x compute speeds, each store against its real server.
 
-    python -m hicache_storage.benchmarks.grid [--stores file,redis,s3,mooncake] [--compute l4-7b,gpu-h200-8b]
+    python -m hicache_storage.benchmarks.grid [--stores file,redis,s3,mooncake] [--compute l4-7b,h200-7b]
                                              [--preset long-history] [--out results/grid]
 
 Starts the servers the stores need on loopback (Redis, SeaweedFS for S3, a Mooncake master with
@@ -140,10 +140,14 @@ def render(data: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stores", default=",".join(STORES), help=f"comma-separated, from {', '.join(STORES + EXTRA_STORES)}")
-    parser.add_argument("--compute", default="l4-7b,gpu-h200-8b", help=f"compute presets, comma-separated ({', '.join(COMPUTE_PRESETS)})")
+    parser.add_argument("--compute", default=",".join(COMPUTE_PRESETS), help=f"compute presets, comma-separated ({', '.join(COMPUTE_PRESETS)})")
     parser.add_argument("--preset", default="long-history", choices=list(PRESETS))
     parser.add_argument("--out", default="results/grid")
     args = parser.parse_args()
+    for name, given, known in (("store", args.stores, STORES + EXTRA_STORES), ("compute", args.compute, tuple(COMPUTE_PRESETS))):
+        unknown = [item for item in given.split(",") if item not in known]
+        if unknown:
+            parser.error(f"unknown {name} {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     data = run_grid(args.stores.split(","), args.compute.split(","), args.preset, Path(args.out))
     print(render(data))
     return 0
