@@ -59,6 +59,9 @@ class CacheCounters:
     prefetch_lookups_skipped: int = 0
     #: prefetches stopped because the pages still to come would arrive after computing them
     prefetch_stopped_by_cost: int = 0
+    #: prefetches never issued (no host slots) whose request computed instead, having waited as
+    #: long as computing the pages takes
+    prefetch_skipped_by_cost: int = 0
     #: storage backups deferred to the node's next hit (write-through degraded to selective while
     #: the store is the slow leg), and seconds backups waited for reads
     storage_backup_deferred: int = 0

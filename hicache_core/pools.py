@@ -119,6 +119,16 @@ class PageAllocator:
         #: until this moves. (A page freed under I/O counts as free at once, see ``free_pages``,
         #: so the end of the I/O, which differs between ranks, need not move it.)
         self.releases = 0
+        #: Callers of ``alloc`` waiting now for the I/O on freed pages to end (``awaited``).
+        self._waiting = 0
+
+    @property
+    def awaited(self) -> bool:
+        """Whether an ``alloc`` waits now for the I/O on freed pages to end: whoever holds such a
+        pin should not linger (a storage backup resting between its puts,
+        :meth:`hicache_core.backup.StorageBackup._rest`). A hint for I/O threads' pacing; it
+        changes nothing an allocation gets."""
+        return self._waiting > 0
 
     @property
     def free_pages(self) -> int:
@@ -150,7 +160,12 @@ class PageAllocator:
         with self._lock:
             if count > len(self._free) + self._waitable():
                 return None
-            self._lock.wait_for(lambda: count <= len(self._free) or count > len(self._free) + self._waitable())
+            if count > len(self._free):
+                self._waiting += 1
+                try:
+                    self._lock.wait_for(lambda: count <= len(self._free) or count > len(self._free) + self._waitable())
+                finally:
+                    self._waiting -= 1
             if count > len(self._free):
                 return None  # a call pinning the pages was abandoned while we waited
             pages = [heapq.heappop(self._free) for _ in range(count)]

@@ -424,9 +424,30 @@ class Prefetcher:
         return time.monotonic() - op.planned_at >= self.config.best_effort_wait_s
 
     def gives_up(self, op: PrefetchOp) -> bool:
-        """Whether the request of a still-planned (rate-limited) ``op`` stops waiting for it: a
-        ``best_effort`` request past its bound does (agreed by all ranks)."""
-        return bool(self.tp.scheduler.all_max(int(self.waited_enough(op))))
+        """Whether the request of a still-planned (rate-limited) ``op`` stops waiting for it
+        (agreed by all ranks): a ``best_effort`` request past its bound does, and under the cost
+        model a ``timeout`` request that has waited for host slots as long as computing the op's
+        pages takes (``_waited_past_compute``)."""
+        by_cost = not self.waited_enough(op) and self._waited_past_compute(op)
+        if not self.tp.scheduler.all_max(int(by_cost or self.waited_enough(op))):
+            return False
+        if by_cost:
+            self.metrics.add(prefetch_skipped_by_cost=1)
+        return True
+
+    def _waited_past_compute(self, op: PrefetchOp) -> bool:
+        """``timeout`` with :attr:`LoadPolicy.COST`: whether ``op``'s request has waited since the
+        op was planned as long as computing its pages takes. Host slots come back when backups,
+        copies and other requests end, at no pace the engine knows: a queue of write-through
+        backups to a store that writes slowly held every host slot of the hybrid long-history
+        bench for a second at a time, while four requests waited on 8-page reads they could
+        compute in 25 ms. Waiting no longer than the compute it would save costs at most twice
+        the better of the two choices (the rent-or-buy bound). ``wait_complete`` and
+        :attr:`LoadPolicy.ALL` wait for as long as reads, backups or requests are in flight."""
+        if self.config.stop_policy is not StopPolicy.TIMEOUT or self.cost.config.policy is not LoadPolicy.COST:
+            return False
+        compute = self.cost.compute_s_per_page(self.page_size)
+        return compute is not None and time.monotonic() - op.planned_at >= op.pages * compute
 
     def finish(self, op: PrefetchOp) -> int | None:
         """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,

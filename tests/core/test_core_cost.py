@@ -6,7 +6,9 @@ speeds given in ``CostConfig`` so that every plan is the same on any machine, an
 * With compute queued ahead of a request, a slow store serves the head of its stored prefix
   that arrives before the engine reaches it; the rest is recomputed.
 * A hybrid model's head is cut back to a boundary every pool can resume at.
-* While the store is the slow leg, write-through backs up only what was hit again.
+* While the store is the slow leg, write-through backs up only what was hit again, and the
+  backup thread rests between puts, but never while an allocation waits for pages it pins.
+* A prefetch that cannot get host slots is waited for no longer than computing its pages takes.
 
 Outputs stay bit-identical to no cache throughout: a page recomputed has the KV a page loaded has.
 The speeds: pages of 4 tokens and 1 KiB (the model below), compute 1,024 tokens/s (a page in
@@ -15,17 +17,28 @@ The speeds: pages of 4 tokens and 1 KiB (the model below), compute 1,024 tokens/
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 import uuid
 
 import torch
 
+from hicache_core.backup import BackupOp, StorageBackup
 from hicache_core.controller import ControllerConfig
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, HybridPools, Request, RequestResult
 from hicache_core.hybrid.model import HybridModelConfig
+from hicache_core.metrics import CacheMetrics
 from hicache_core.model import ModelConfig
-from hicache_core.prefetch import PrefetchConfig, StopPolicy
-from hicache_storage.cost import CostConfig, CostModel
+from hicache_core.page_sets import PageSet
+from hicache_core.pin_cap import PinCap
+from hicache_core.pools import PageAllocator
+from hicache_core.prefetch import PrefetchConfig, PrefetchOp, PrefetchState, StopPolicy
+from hicache_core.side_pools import PoolPages
+from hicache_storage.connectors.memory import MemoryBackend
+from hicache_storage.cost import CostConfig, CostModel, LoadPolicy
 from hicache_storage.keys import page_hashes
+from hicache_storage.layers import FaultInjectionLayer
 
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=31)
 PAGE = 4
@@ -280,3 +293,100 @@ def test_write_through_degrades_to_what_loads_would_take_while_the_store_is_the_
         fast.drain()
         assert fast.metrics.snapshot()["storage_backup_deferred"] == 0
         assert stored_pages(fast, elsewhere) == WHOLE // PAGE, "a fast store: write-through writes at once"
+
+
+def test_a_backup_never_rests_while_an_allocation_waits_for_pages_it_pins():
+    """Between puts to a store that is the slow leg the backup thread rests, holding its op's
+    pins. A node deleted while its backup was queued frees its host pages under those pins, and
+    the scheduler's allocation of them waits for the backup: resting then stops the engine (in
+    the hybrid bench, rounds of 1.7-3.3 s instead of 0.2). The rest ends once an allocation waits.
+    (The thread is never started: the op stays queued and its pages pinned.)"""
+    allocator = PageAllocator(num_pages=2, page_size=PAGE)
+    slots = allocator.alloc(2 * PAGE)
+    assert slots is not None
+    metrics = CacheMetrics()
+    backup = StorageBackup(
+        metrics, 4, PageSet(), PinCap(allocator, None), stored=PageSet(), cost=CostModel(), page_tokens=PAGE, reads_pending=lambda: True
+    )
+    backup.submit(BackupOp(node=None, begin=0, pools=[PoolPages("kv", ["a", "b"], [], slots, allocator)]))  # type: ignore[arg-type]
+    backup._rest(0.05, lambda: True)
+    rested = metrics.snapshot()["storage_backup_yield_seconds"]
+    assert rested > 0, "with no allocation waiting, the backup rests"
+
+    allocator.free(slots)  # the node is deleted: its pages are free once the backup is written
+    waiter = threading.Thread(target=allocator.alloc, args=(PAGE,), daemon=True)
+    waiter.start()
+    for _ in range(int(DEADLINE_S / 0.01)):
+        if allocator.awaited:
+            break
+        waiter.join(0.01)
+    assert allocator.awaited, "the allocation waits for the backup's pins"
+    rest = threading.Thread(target=backup._rest, args=(DEADLINE_S, lambda: True), daemon=True)
+    rest.start()
+    rest.join(DEADLINE_S / 2)  # a guard against a hang, never a timing assertion
+    assert not rest.is_alive(), "the backup rested while the scheduler waited for its pins"
+    allocator.unpin_io(slots)  # the put is done
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive() and not allocator.awaited
+
+
+# --- a prefetch short of host slots -------------------------------------------------------------
+
+
+def test_a_prefetch_short_of_host_slots_is_waited_for_as_long_as_computing_it_takes():
+    """Under ``timeout`` and the cost model, a request whose prefetch cannot get host slots stops
+    waiting once it has waited as long as computing the op's pages takes (10 pages: 1/256 s
+    each); ``wait_complete`` and ``LoadPolicy.ALL`` keep waiting for as long as I/O is in flight."""
+
+    def gives_up(stop_policy: StopPolicy, load_policy: LoadPolicy, waited_s: float) -> bool:
+        config = engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}")
+        config.controller = dataclasses.replace(
+            config.controller,
+            prefetch=dataclasses.replace(config.controller.prefetch, stop_policy=stop_policy),
+            cost=dataclasses.replace(config.controller.cost, policy=load_policy),
+        )
+        with Engine(config) as engine:
+            prefetcher = engine.controller.prefetcher
+            assert prefetcher is not None
+            op = PrefetchOp("r", list(range(WHOLE)), 0, [f"h{i}" for i in range(WHOLE // PAGE)])
+            op.planned_at = time.monotonic() - waited_s
+            return prefetcher.gives_up(op)
+
+    compute_s = (WHOLE // PAGE) * PAGE / COMPUTE_TOKENS_PER_S
+    assert gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=compute_s * 4)
+    assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=-3600.0), "planned just now"
+    assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.ALL, waited_s=3600.0)
+    assert not gives_up(StopPolicy.WAIT_COMPLETE, LoadPolicy.COST, waited_s=3600.0)
+
+
+def test_a_request_computes_rather_than_wait_for_host_slots_hung_backups_hold():
+    """Puts that hang hold the host pages of the first request's backups (pinned until the put
+    returns, here never within the test); the second request's stored prefix then finds no host
+    slots, and I/O is in flight, so it would wait for the puts. It computes instead, while the
+    puts still hang, and its outputs are those of no cache."""
+    store = filled_store()
+    first, second = prompt(40, 41), PROMPTS[0]
+    expected = uncached([Request("first", first, NEW_TOKENS), Request("second", second, NEW_TOKENS)])
+    faults = FaultInjectionLayer(MemoryBackend({"store": store}), {"enabled": False, "put": {"hang_rate": 1.0}})
+    config = dataclasses.replace(engine_config(CacheTiers.L1_L2_L3, store), host_pages=16, storage_backend=None, storage_config=None)
+    config.controller = dataclasses.replace(config.controller, prefetch=PrefetchConfig(threshold_tokens=8), storage_timeout_s=DEADLINE_S)
+    engine = Engine(config, storage=faults)
+    try:
+        faults.resume()  # every put hangs from now on
+        got = engine.serve([Request("first", first, NEW_TOKENS)])
+        for _ in range(int(DEADLINE_S / 0.01)):  # its host copy lands, its backup reaches the store
+            engine.controller.poll()  # (what the scheduler does each step: queues acknowledged copies' backups)
+            if faults.hanging:
+                break
+            time.sleep(0.01)
+        assert faults.hanging, "the first request's backup never called the store"
+        got += engine.serve([Request("second", second, NEW_TOKENS)])
+        counters = engine.metrics.snapshot()
+        assert faults.hanging and counters["storage_timeouts"] == 0, "the second request waited for the hung puts"
+        assert counters["prefetch_skipped_by_cost"] >= 1 and counters["prefetch_rate_limited"] >= 1
+        assert got[1].cached_storage == 0 and got[1].stored_recomputed == 0
+        assert_identical(expected, got)
+    finally:
+        faults.release_hangs()
+        faults.pause()
+        engine.close()

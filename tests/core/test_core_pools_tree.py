@@ -59,8 +59,10 @@ def test_pinned_page_is_not_reused_until_io_finishes():
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive() and not got, "the allocation waits for the I/O instead of reusing the page"
+    assert alloc.awaited, "I/O threads can see that an allocation waits on their pins"
     alloc.unpin_io(slots[:2])
     waiter.join()
+    assert not alloc.awaited
     assert set(got[0].tolist()) == set(slots[:2].tolist())
 
 
