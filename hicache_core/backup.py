@@ -244,9 +244,8 @@ class StorageBackup:
     def _rest(self, longest: float, wait: Callable[[], bool]) -> None:
         """Sleep while ``wait()``, at most ``longest`` seconds, and never while an alloc waits for
         pages the backups pin (``PageAllocator.awaited``: the pages of a node deleted while its
-        backup was queued are free once it is written). That alloc is the scheduler's, and
-        resting then held the whole engine: in the hybrid long-history bench a slow run's 3.5 s
-        of rests came with single rounds of 1.7-3.3 s instead of 0.2."""
+        backup was queued are free once it is written). That alloc is the scheduler's: every
+        request waits inside it, so a rest then costs the whole engine its length."""
         started = time.perf_counter()
         waited = 0.0
         while waited < longest and wait() and not any(allocator.awaited for allocator in self._allocators):

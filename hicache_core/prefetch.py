@@ -428,8 +428,9 @@ class Prefetcher:
         (agreed by all ranks): a ``best_effort`` request past its bound does, and under the cost
         model a ``timeout`` request that has waited for host slots as long as computing the op's
         pages takes (``_waited_past_compute``)."""
-        by_cost = not self.waited_enough(op) and self._waited_past_compute(op)
-        if not self.tp.scheduler.all_max(int(by_cost or self.waited_enough(op))):
+        bounded = self.waited_enough(op)
+        by_cost = not bounded and self._waited_past_compute(op)
+        if not self.tp.scheduler.all_max(int(bounded or by_cost)):
             return False
         if by_cost:
             self.metrics.add(prefetch_skipped_by_cost=1)
