@@ -33,7 +33,7 @@ from hicache_core.model import ModelConfig
 from hicache_core.page_sets import PageSet
 from hicache_core.pin_cap import PinCap
 from hicache_core.pools import PageAllocator
-from hicache_core.prefetch import PrefetchConfig, PrefetchOp, PrefetchState, StopPolicy
+from hicache_core.prefetch import PrefetchConfig, PrefetchOp, StopPolicy
 from hicache_core.side_pools import PoolPages
 from hicache_storage.connectors.memory import MemoryBackend
 from hicache_storage.cost import CostConfig, CostModel, LoadPolicy
@@ -298,8 +298,8 @@ def test_write_through_degrades_to_what_loads_would_take_while_the_store_is_the_
 def test_a_backup_never_rests_while_an_allocation_waits_for_pages_it_pins():
     """Between puts to a store that is the slow leg the backup thread rests, holding its op's
     pins. A node deleted while its backup was queued frees its host pages under those pins, and
-    the scheduler's allocation of them waits for the backup: resting then stops the engine (in
-    the hybrid bench, rounds of 1.7-3.3 s instead of 0.2). The rest ends once an allocation waits.
+    the scheduler's allocation of them waits for the backup: resting then stops the engine. The
+    rest ends once an allocation waits.
     (The thread is never started: the op stays queued and its pages pinned.)"""
     allocator = PageAllocator(num_pages=2, page_size=PAGE)
     slots = allocator.alloc(2 * PAGE)
