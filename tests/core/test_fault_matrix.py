@@ -508,8 +508,10 @@ WRITER = textwrap.dedent(
 
 
 def test_writer_killed_mid_page_never_serves_a_torn_page(tmp_path):
-    """A process rewriting 8 MiB pages through the file connector is SIGKILLed at random moments;
-    every read afterwards is a miss or one whole page, and the killed writer's temp file goes."""
+    """A process rewriting 8 MiB pages through the file connector is SIGKILLed at random moments
+    while it writes a page (a temp file exists: killing at any moment instead landed inside a
+    write one time in four, so that none of 8 did about one run in ten); every read afterwards is
+    a miss or one whole page, and the killed writer's temp file goes."""
     root = tmp_path / "kv"
     size = 8 * 2**20
     scope = KeyScope(Namespace("torn", "float32", 64, "page_first"))
@@ -522,6 +524,9 @@ def test_writer_killed_mid_page_never_serves_a_torn_page(tmp_path):
         try:
             assert writer.stdout is not None and writer.stdout.readline().strip() == b"ready"
             time.sleep(0.05 + 0.3 * float(torch.rand(1, generator=gen)))
+            writing = time.monotonic() + 30.0
+            while not any((root / ".tmp").iterdir()) and time.monotonic() < writing:
+                pass  # no sleep: a page write takes a few milliseconds
         finally:
             writer.kill()
             writer.wait()
