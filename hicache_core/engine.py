@@ -55,6 +55,7 @@ from hicache_core.sessions import SessionTable
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
+from hicache_core.tree_node import MatchResult, TreeNode
 
 
 class Engine:
@@ -270,6 +271,8 @@ class Engine:
             count_host = not self.config.controller.buffer_only or inserted > 0
             match = self.tree.match_prefix(self.admission.matchable(live), count_host=count_host)
             resume = self.tree.resume_point(match.host_node, on_device=False)
+            if not self._may_fit(live, match, resume):
+                return False
             node, load = self.controller.load_back(match, resume)
             device_hit, matched = match.device_hit_length, match.matched_length
         live.node = self.runner.begin(live, node, load, matched)
@@ -320,6 +323,22 @@ class Engine:
         result.ttft_s = first_token - live.submitted
         self.controller.loads_done()
         return True
+
+    def _may_fit(self, live: Live, match: MatchResult, resume: TreeNode) -> bool:
+        """Whether device memory could hold the request resuming at ``resume``: the pages its
+        load from host memory takes and those of its own tokens, from free pages and all that
+        eviction could free. Checked before the load is issued: a start that fails after it
+        waits for the copy to land (its slots must not be reused under it), and that wait holds
+        up the scheduler, every running request's next decode step with it (30-75 ms a time at
+        the long-history bench's 40,000 tok/s). False only when the start cannot succeed."""
+        loaded = resume.end - match.device_hit_length
+        if loaded <= 0:
+            return True  # nothing to copy: a failed start costs nothing to find out
+        ps = self.config.page_size
+        own = len(live.request.tokens) + live.request.max_new_tokens - 1 - resume.end
+        pages = -(-loaded // ps) + -(-own // ps)
+        free = self.device_pool.allocator.free_pages
+        return free >= pages or free + self.tree.device_evictable_tokens(resume) // ps >= pages
 
     def _started(self, live: Live) -> None:
         if len(live.result.output_ids) >= live.request.max_new_tokens:

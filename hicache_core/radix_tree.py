@@ -372,6 +372,10 @@ class RadixTree:
 
     # --- eviction (see hicache_core.tree_eviction) --------------------------------------------
 
+    def device_evictable_tokens(self, keep: TreeNode) -> int:
+        """See :meth:`~hicache_core.tree_eviction.TreeEvictor.device_evictable_tokens`."""
+        return self.evictor.device_evictable_tokens(keep)
+
     def evict_device(self, num_tokens: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
         """Free at least ``num_tokens`` device slots; see :meth:`~hicache_core.tree_eviction.TreeEvictor.evict_device`."""
         return self.evictor.evict_device(num_tokens, backup)

@@ -68,6 +68,18 @@ class TreeEvictor:
                 heapq.heappush(heap, (parent in referenced, parent.last_access, parent.id, parent))
         return freed
 
+    def device_evictable_tokens(self, keep: TreeNode) -> int:
+        """At most how many device tokens :meth:`evict_device` could free once ``keep`` and its
+        ancestors are locked: every unlocked node on the device off that path (a lock counts on
+        every ancestor, so an unlocked node's descendants are all unlocked, and leaves first,
+        all of them can go). Walks the whole tree: for a caller about to fail without it."""
+        kept = set()
+        node: TreeNode | None = keep
+        while node is not None:
+            kept.add(node)
+            node = node.parent
+        return sum(len(n.key) for n in descendants(self.root) if n.device_value is not None and n.lock_ref == 0 and n not in kept)
+
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host slots; never a node with host I/O in flight or locked.
 

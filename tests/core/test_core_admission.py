@@ -124,3 +124,28 @@ def test_a_host_pool_smaller_than_a_prompt_still_backs_up_its_head(caplog):
     assert again.cached_storage == 24, "the head comes back from L3"
     warnings = [r for r in caplog.records if "larger than the whole host pool" in r.getMessage()]
     assert len(warnings) == 1, "one warning names the sizes, not one per backup"
+
+
+def test_a_start_that_cannot_fit_issues_no_load():
+    """A request whose prefix is in host memory but whose own tokens would not fit beside it
+    waits without copying anything: a start that fails after its load is issued must wait for
+    the copy to land, and that wait holds up every running request's next decode step."""
+    prefix = list(range(10, 50))  # 40 tokens: 10 pages, kept in host memory only
+    with Engine(engine_config(CacheTiers.L1_L2, device_pages=24, host_pages=32)) as engine:
+        expected = engine.serve([Request("first", prefix, 4)])[0]
+        engine.drain()
+        assert engine.tree.evict_device(24 * 4) == 40  # its device copy goes; the host copy stays
+        # A long request holds 13 of the 24 device pages while it runs (40 + 12 - 1 tokens).
+        engine.submit(Request("long", list(range(100, 140)), 12))
+        engine.step()
+        assert [live.request.rid for live in engine._running] == ["long"]
+        # 10 pages to load and 2 of its own (44 + 4 - 1 - 40 tokens): 12 > the 11 free.
+        engine.submit(Request("again", prefix + expected.output_ids, 4))
+        engine.step()
+        assert [live.request.rid for live in engine.admission.waiting] == ["again"]
+        assert engine.metrics.snapshot()["load_back_tokens"] == 0, "a load was issued for a start that could not fit"
+        while engine.has_work():
+            engine.step()
+        again = {r.rid: r for r in engine.take_results()}["again"]
+        stats = engine.metrics.snapshot()
+    assert (again.cached_host, stats["load_back_tokens"]) == (40, 40), "once the long request is done, the prefix loads from host"
