@@ -48,9 +48,12 @@ class Admission:
         prefetcher = self.controller.prefetcher
         if prefetcher is None:
             return
-        # What the request computes unless storage serves some of it: the compute queued ahead
-        # of later requests' loads (the cost model's view; see hicache_storage.cost).
-        self.controller.cost.enqueue(request.rid, len(request.tokens) - match.matched_length)
+        # What the request computes unless storage serves some of it, and copies from host
+        # memory: the device work queued ahead of later requests' loads (the cost model's view;
+        # see hicache_storage.cost).
+        host = self.controller.host
+        copy_bytes = (match.matched_length - match.device_hit_length) // self.config.page_size * host.page_bytes if host is not None else 0
+        self.controller.cost.enqueue(request.rid, len(request.tokens) - match.matched_length, copy_bytes)
         live.prefetch = prefetcher.plan(request.rid, matchable, match)
         if live.prefetch is not None:
             live.pinned = match.host_node

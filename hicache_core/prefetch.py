@@ -567,7 +567,7 @@ class Prefetcher:
         if hit * self.page_size >= self.config.threshold_tokens:
             op.hit_pages = hit = self._planned_pages(store, health, op, asked, lead, hit)
             if hit * self.page_size >= self.config.threshold_tokens:
-                self.cost.will_load(op.request_id, hit * self.page_size)
+                self.cost.will_load(op.request_id, hit * self.page_size, hit * self.host.page_bytes)
                 with self._reads_lock:
                     self._reads_queued += hit
                     op.queued_read_pages = hit

@@ -10,14 +10,18 @@ on each. :class:`CostModel` learns them from the calls the engine makes and plan
 * **Rates.** Each leg (store reads, store writes, host -> device copies) is a :class:`RateMeter`
   fit to the calls timed on it: ``seconds = latency + bytes x seconds_per_byte``, recent calls
   weighing most. The compute rate is the engine's (given, or fit the same way from prefills).
-* **A plan per prefix** (:meth:`CostModel.pages_to_load`). Page ``k`` of a stored prefix
-  (head first) is ready to use once the reads queued before it, the call's latency and ``k``
-  pages of reading and copying are done; the engine reaches the request once the compute queued
-  ahead of it is done. Loading ``x`` pages and computing the rest finishes at
-  ``max(compute ahead, ready(x)) + (stored - x) x compute per page``: when a page loads faster
-  than it computes, every stored page is loaded; when it loads slower, only the head that is
-  ready before the engine could start on it (reading it costs nothing then), which is none on
-  an idle engine. The rest is recomputed.
+* **A plan per prefix** (:meth:`CostModel.pages_to_load`). A request's prefix must be read
+  from the store before it starts; then, layer by layer, its copy to the device and the compute
+  of the tokens it did not load overlap (a layer computes once that layer's KV has landed). So
+  loading ``x`` of its ``stored`` pages finishes at
+  ``max(device ahead, ready(x)) + max(copy(x), compute(stored - x + new))``: ``ready(x)`` is
+  the reads queued before it, the call's latency and ``x`` pages of reading; the device work
+  ahead is what the engine must do for the requests queued before it (each the longer of its
+  copies and its compute). The plan takes the ``x`` that finishes first: every stored page when
+  the copies and reads are cheap, none (or only the head read while the engine is busy, which
+  costs nothing) when reading a page is slower than computing it, and in between as many as
+  the compute of the rest hides the copy of (a store and a device copy each faster than compute,
+  together slower: the fast-GPU case).
 * **When to stop waiting** (:meth:`CostModel.keep_waiting`): a read that runs slower than
   planned is abandoned for computing once the pages still to come would arrive after computing
   them would be done.
@@ -143,8 +147,9 @@ class LoadPlan:
     #: Seconds to read and copy one page, and to compute one (``None``: not timed yet).
     load_s_per_page: float | None
     compute_s_per_page: float | None
-    #: Seconds of compute queued ahead of the request, and of reads queued ahead of its own.
-    compute_ahead_s: float
+    #: Seconds of device work (compute and copies) queued ahead of the request, and of reads
+    #: queued ahead of its own.
+    device_ahead_s: float
     reads_ahead_s: float
 
     @property
@@ -169,8 +174,9 @@ class CostModel:
         self._compute = RateMeter(self.config.smoothing, clock)
         self._given_rate = self.config.compute_tokens_per_s or compute_tokens_per_s
         self._lock = threading.Lock()
-        #: Requests whose compute is queued but not started, in arrival order: tokens each.
-        self._queue: OrderedDict[Hashable, int] = OrderedDict()
+        #: Requests queued but not started, in arrival order: the tokens each will compute and
+        #: the bytes it will copy to the device.
+        self._queue: OrderedDict[Hashable, _Queued] = OrderedDict()
         #: Stored pages recent plans were offered and loaded (decayed sums, like a leg's fit).
         self._offered = self._loaded = 0.0
         #: When the work already started on the engine's accelerator ends (a callable, so an
@@ -199,37 +205,52 @@ class CostModel:
             return self._given_rate
         return self._compute.bytes_per_s()
 
-    # --- the compute queued ahead -------------------------------------------------------------
+    # --- the device work queued ahead ---------------------------------------------------------
 
-    def enqueue(self, request: Hashable, tokens: int) -> None:
-        """``request`` will compute ``tokens`` (before any of its stored pages are planned)."""
+    def enqueue(self, request: Hashable, tokens: int, copy_bytes: int = 0) -> None:
+        """``request`` will compute ``tokens`` and copy ``copy_bytes`` from host memory to the
+        device (its prefix held there), before any of its stored pages are planned. Queued
+        again (a refetch), it keeps its place in line."""
         with self._lock:
-            self._queue[request] = max(0, tokens)
+            self._queue[request] = _Queued(max(0, tokens), max(0, copy_bytes))
 
-    def will_load(self, request: Hashable, tokens: int) -> None:
-        """``request`` loads ``tokens`` it was queued to compute."""
+    def will_load(self, request: Hashable, tokens: int, nbytes: int = 0) -> None:
+        """``request`` loads ``tokens`` it was queued to compute: ``nbytes`` read from the store
+        and copied to the device."""
         with self._lock:
-            if request in self._queue:
-                self._queue[request] = max(0, self._queue[request] - tokens)
+            queued = self._queue.get(request)
+            if queued is not None:
+                queued.tokens = max(0, queued.tokens - tokens)
+                queued.copy_bytes += max(0, nbytes)
 
     def started(self, request: Hashable) -> None:
         """``request``'s compute is on the accelerator now (part of ``busy_for_s``), or dropped."""
         with self._lock:
             self._queue.pop(request, None)
 
-    def compute_ahead_s(self, request: Hashable) -> float:
+    def device_ahead_s(self, request: Hashable) -> float:
         """Seconds until the engine could start on ``request``: the accelerator's work under way
-        plus the compute of the requests queued before it (0 while the rate is unknown)."""
+        plus, for each request queued before it, the longer of its compute and its copies to the
+        device (they overlap layer by layer); 0 while the compute rate is unknown."""
+        return self._ahead(request)[0]
+
+    def _ahead(self, request: Hashable) -> tuple[float, _Queued | None]:
+        """``device_ahead_s`` and ``request``'s own queue entry (a copy; None if not queued)."""
         rate = self.compute_tokens_per_s
-        if rate is None:
-            return 0.0
+        copy = self._fresh_fit(self.copies)
+        copy_s_per_byte = copy[1] if copy is not None else 0.0
+        ahead = 0.0
+        own: _Queued | None = None
         with self._lock:
-            ahead = 0
-            for queued, tokens in self._queue.items():
+            for queued, entry in self._queue.items():
                 if queued == request:
+                    own = _Queued(entry.tokens, entry.copy_bytes)
                     break
-                ahead += tokens
-        return max(0.0, self.busy_for_s()) + ahead / rate
+                if rate is not None:
+                    ahead += max(entry.tokens / rate, entry.copy_bytes * copy_s_per_byte)
+        if rate is None:
+            return 0.0, own
+        return max(0.0, self.busy_for_s()) + ahead, own
 
     # --- decisions ----------------------------------------------------------------------------
 
@@ -254,35 +275,49 @@ class CostModel:
     def pages_to_load(
         self, request: Hashable, stored_pages: int, *, page_bytes: int, page_tokens: int, reads_ahead_bytes: int = 0
     ) -> LoadPlan:
-        """How many of ``stored_pages`` (the head of the rest of ``request``'s prefix) to load.
+        """How many of ``stored_pages`` (the head of the rest of ``request``'s prefix) to load:
+        the count that finishes the request first (see the module).
 
         ``reads_ahead_bytes``: reads queued on the store before this one. With
-        :attr:`LoadPolicy.ALL`, or a leg not timed yet, every stored page.
+        :attr:`LoadPolicy.ALL`, or the reads or the compute not timed yet, every stored page
+        (untimed copies count as free).
         """
         load = self.load_s_per_page(page_bytes)
         compute = self.compute_s_per_page(page_tokens)
-        ahead = self.compute_ahead_s(request)
+        ahead, own = self._ahead(request)
         read_fit = self._fresh_fit(self.reads)
         reads_ahead = 0.0 if read_fit is None else reads_ahead_bytes * read_fit[1]
 
         def plan(pages: int) -> LoadPlan:
             return LoadPlan(pages, stored_pages, load, compute, ahead, reads_ahead)
 
-        if self.config.policy is LoadPolicy.ALL or stored_pages <= 0 or load is None or compute is None or load <= compute:
+        if self.config.policy is LoadPolicy.ALL or stored_pages <= 0 or load is None or compute is None:
             return plan(max(0, stored_pages))
         assert read_fit is not None
-        latency = read_fit[0]
-        # Pages ready before the engine reaches the request cost nothing; past that, each loads
-        # slower than it computes. The best cut is the last page ready by then or the one after
-        # it (whose excess over the engine's start may still be less than one page of compute).
-        ready_by = ahead - reads_ahead - latency
-        free = min(stored_pages, max(0, math.floor(ready_by / load))) if ready_by > 0 else 0
+        latency, read = read_fit[0], page_bytes * read_fit[1]
+        copy_fit = self._fresh_fit(self.copies)
+        copy = page_bytes * copy_fit[1] if copy_fit is not None else 0.0
+        # What the request computes and copies whatever the plan: the tokens no tier holds, and
+        # its prefix held in host memory (unknown for a request not queued: none).
+        new_s = max(0, own.tokens - stored_pages * page_tokens) / page_tokens * compute if own is not None else 0.0
+        host_s = own.copy_bytes / page_bytes * copy if own is not None else 0.0
 
         def finish(pages: int) -> float:
-            ready = reads_ahead + latency + pages * load if pages else 0.0
-            return max(ahead, ready) + (stored_pages - pages) * compute
+            ready = reads_ahead + latency + pages * read if pages else 0.0
+            return max(ahead, ready) + max(host_s + pages * copy, new_s + (stored_pages - pages) * compute)
 
-        best = min((free, min(free + 1, stored_pages)), key=finish)
+        # finish is convex and piecewise linear in the pages loaded: its least is at an end or
+        # where a piece changes, that is the last page read before the engine reaches the
+        # request (reading it costs nothing), or where the copies of the loaded pages take as
+        # long as computing the rest (past it, each page loaded lengthens the copies).
+        free = (ahead - reads_ahead - latency) / read if read > 0 else math.inf
+        balanced = (new_s + stored_pages * compute - host_s) / (copy + compute)
+        candidates = {0, stored_pages}
+        for point in (free, balanced):
+            if math.isfinite(point):
+                candidates.update(min(stored_pages, max(0, bound)) for bound in (math.floor(point), math.ceil(point)))
+        # the most pages among the quickest: a tie is better spent on what is stored
+        best = min(candidates, key=lambda pages: (finish(pages), -pages))
         return plan(best)
 
     def note_plan(self, stored_pages: int, loaded_pages: int) -> None:
@@ -327,7 +362,7 @@ class CostModel:
             return True
         copy = self._fresh_fit(self.copies)
         per_page = pace + (page_bytes * copy[1] if copy is not None and seconds_per_page is not None else 0.0)
-        return pages_left * per_page <= self.compute_ahead_s(request) + pages_left * compute
+        return pages_left * per_page <= self.device_ahead_s(request) + pages_left * compute
 
     @property
     def adaptive(self) -> bool:
@@ -356,3 +391,11 @@ class CostModel:
         if last is None or self._clock() - last > self.config.forget_after_s:
             return None
         return meter.fit()
+
+
+@dataclass
+class _Queued:
+    """A request queued on the engine: the tokens it will compute, the bytes it will copy."""
+
+    tokens: int
+    copy_bytes: int

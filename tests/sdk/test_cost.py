@@ -42,7 +42,7 @@ def plan(model: CostModel, request: str = "r", stored: int = STORED, reads_ahead
 
 
 def ahead(model: CostModel, request: str) -> float:
-    return model.compute_ahead_s(request)
+    return model.device_ahead_s(request)
 
 
 # --- RateMeter --------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def test_a_store_faster_than_compute_loads_every_page_even_on_an_idle_engine():
 def test_a_store_slower_than_compute_loads_nothing_for_an_idle_engine():
     decided = plan(given())
     assert (decided.pages, decided.recomputed_pages) == (0, STORED)
-    assert (decided.load_s_per_page, decided.compute_s_per_page, decided.compute_ahead_s, decided.reads_ahead_s) == (
+    assert (decided.load_s_per_page, decided.compute_s_per_page, decided.device_ahead_s, decided.reads_ahead_s) == (
         SLOW_LOAD_S_PER_PAGE,
         COMPUTE_S_PER_PAGE,
         0.0,
@@ -169,7 +169,7 @@ def test_a_slow_store_loads_the_head_that_arrives_before_the_engine_reaches_the_
     model.enqueue("earlier", tokens_ahead)
     model.enqueue("r", 400)
     decided = plan(model)
-    assert decided.compute_ahead_s == tokens_ahead / COMPUTE_TOKENS_PER_S
+    assert decided.device_ahead_s == tokens_ahead / COMPUTE_TOKENS_PER_S
     assert decided.pages == pages
 
 
@@ -200,6 +200,45 @@ def test_work_already_on_the_accelerator_counts_as_compute_ahead():
     assert plan(model).pages == 32
     model.busy_for_s = lambda: -3.0  # ended a while ago
     assert plan(model).pages == 0
+
+
+#: A store that reads a page in 2/1024 s and a device copy of 3/1024 s: each faster than computing
+#: the page (4/1024 s), together slower (the fast-GPU case).
+READ_2 = PAGE_BYTES / (2 / 1024)
+COPY_3 = PAGE_BYTES / (3 / 1024)
+
+
+def test_copies_overlapping_the_compute_of_the_rest_load_the_head_that_compute_hides():
+    """Reading ``x`` pages takes 2x/1024 s; then the copy of those (3x/1024 s) and the compute of
+    the rest (4(100 - x)/1024 s) overlap layer by layer: the least of
+    2x + max(3x, 4(100 - x)) is at x = 400/7 = 57.1, 57 pages (286/1024 s; 58 take 290), where
+    loading all takes 500 and computing all 400."""
+    model = given(read=READ_2, copy_bytes_per_s=COPY_3)
+    model.enqueue("r", STORED * PAGE_TOKENS)
+    decided = plan(model)
+    assert decided.load_s_per_page == pytest.approx(5 / 1024) and decided.pages == 57
+
+
+def test_what_a_request_computes_and_copies_anyway_moves_the_balance():
+    """10 pages no tier holds and 20 held in host memory: 2x + max(3(20 + x), 4(10 + 100 - x)) is
+    least at x = 380/7 = 54.3: 54 pages (332/1024 s; 55 take 335)."""
+    model = given(read=READ_2, copy_bytes_per_s=COPY_3)
+    model.enqueue("r", (STORED + 10) * PAGE_TOKENS, 20 * PAGE_BYTES)
+    assert plan(model).pages == 54
+    model.enqueue("r", (STORED + 10) * PAGE_TOKENS)  # without it: 2x + max(3x, 4(110 - x)), 63 (315; 62 take 316)
+    assert plan(model).pages == 63
+
+
+def test_copies_queued_ahead_count_as_device_work_ahead():
+    """A request ahead computing 256 tokens (0.25 s) and copying 1 MiB at 1 MiB/s (1 s) holds
+    the device for the longer of the two: they overlap layer by layer."""
+    model = given(copy_bytes_per_s=FAST_READ)
+    model.enqueue("a", 256, 512 * PAGE_BYTES)
+    model.enqueue("b", 0)
+    assert ahead(model, "b") == 0.5
+    model.will_load("a", 0, 512 * PAGE_BYTES)
+    assert ahead(model, "b") == 1.0
+    assert ahead(given(), "b") == 0.0 and ahead(model, "a") == 0.0
 
 
 def test_load_policy_all_loads_every_stored_page_whatever_the_speeds():
