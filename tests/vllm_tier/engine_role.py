@@ -40,9 +40,13 @@ def engine_kwargs(
     transfer: dict[str, Any] | None = None,
     offload: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    # float32: in bfloat16 the greedy outputs of this random model depend on how a prompt's
+    # tokens were split into prefill chunks (loaded prefix + rest vs one prefill): they differ
+    # from the no-L3 run now and then, as they differ with vLLM's own prefix cache, and the
+    # machine's CPU decides which prompts. In float32 the runs are identical.
     kwargs: dict[str, Any] = {
         "model": model,
-        "dtype": "bfloat16",
+        "dtype": "float32",
         "skip_tokenizer_init": True,
         "enable_prefix_caching": True,
         "enforce_eager": True,

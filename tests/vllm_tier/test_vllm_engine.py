@@ -64,7 +64,7 @@ def _full_blocks(tokens: int) -> int:
 
 def _corrupt_pages(root: Path, every: int) -> int:
     """Overwrite the middle half of every ``every``-th page file under ``root`` with a constant
-    pattern (bf16 10.0); returns how many pages were corrupted."""
+    pattern (each float32 about 10.0); returns how many pages were corrupted."""
     pages = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "namespace.json" and ".tmp" not in p.parts)
     corrupted = 0
     for page in pages[::every]:
