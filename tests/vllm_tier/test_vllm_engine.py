@@ -265,7 +265,7 @@ def test_hanging_reads_degrade_to_recompute(tier: dict[str, Any]) -> None:
 
 # --- the secondary-tier route: HiCacheStorageTier behind vLLM's CPU offloading ----------------------
 
-#: vLLM's CPU primary tier: 128 rows of one block (4 layers x 16 KiB)
+#: vLLM's CPU primary tier: 64 rows of one block (4 layers x 32 KiB in float32)
 TIER_CPU_BYTES = 8 << 20
 #: Full blocks of the repeated prompts: vLLM offloads prompt blocks only (offload_prompt_only)
 TIER_ROWS = len(REPEATED) * (PROMPT_TOKENS // BLOCK_SIZE)
