@@ -21,6 +21,13 @@ page slower than computing it is held to that slow load. This bound fixes both, 
   - each request's own chain: its store read, then its time on the device (its copy to the
     device overlapped with its prefill, layer-wise: the longer of the two), then ``output - 1``
     decode steps;
+  - the requests' reads and copies one after another (one store, one copy stream): no copy
+    starts before the first request to copy has its prefix in host memory (at once for a host
+    hit, after its read otherwise), and every load and the decode tail follow; and after the
+    last read ends, its request still copies, computes and decodes. Without these, each chain
+    ran at the store's and the copies' full speed beside the others: two requests each reading
+    and copying 13,000 stored tokens at the H200 grid point took 123 ms in that bound, where no
+    order of the two takes less than 165 ms;
   - the store: the round's reads, and the writes the run made during it;
   - the copies: the round's loads to the device and the backups the run made during it;
   - the machine: the store's time and the copies' together, over how much they were measured to
@@ -31,7 +38,8 @@ page slower than computing it is held to that slow load. This bound fixes both, 
     contexts do not fit L1 together run in waves).
 
 * The loads ``x`` are chosen to make that least: every term is linear in the loads and the
-  times, so each round is a small linear program (scipy's HiGHS) solved exactly.
+  times, given which request copies first and which reads last; those are binary choices, so
+  each round is a small mixed-integer linear program (scipy's HiGHS) solved exactly.
 
 The bound is the sum over rounds. Its efficiency (bound / wall) is the share of what was
 possible that the run got; "reachable vs L1" is L1's wall over it. The decode steps a run took
@@ -130,9 +138,10 @@ def _speed(value: float | None) -> float:
 
 def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list[float]]:
     """The least time of one round over every choice of loads, and the loads that reach it: a
-    linear program (variables: each request's loads ``x``, its time holding device memory
-    ``d``, the round's time ``T``; minimize ``T``)."""
-    from scipy.optimize import linprog
+    mixed-integer linear program (variables: each request's loads ``x``, its time holding device
+    memory ``d``, the round's time ``T``, and which request's copy comes first and whose read
+    comes last, ``a`` and ``b``; minimize ``T``)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
 
     requests = work.requests
     if not requests:
@@ -154,13 +163,15 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     held = [float(r.from_storage + r.stored_recomputed) for r in requests]
     computed = [float(r.computed + r.from_storage) for r in requests]  # computed when nothing is loaded
     host = [float(r.from_host) for r in requests]
-    # Variables: x_0..x_{n-1}, d_0..d_{n-1}, T. Rows: a_ub @ v <= b_ub.
+    # Variables: x_0..x_{n-1}, d_0..d_{n-1}, T, a_0..a_{n-1}, b_0..b_{n-1}. Rows: low <= A @ v <= high.
     rows: list[list[float]] = []
-    bounds: list[float] = []
+    lows: list[float] = []
+    highs: list[float] = []
 
-    def row(x: Sequence[float] = (), d: Sequence[float] = (), t: float = 0.0, rhs: float = 0.0) -> None:
-        rows.append([*(x or [0.0] * n), *(d or [0.0] * n), t])
-        bounds.append(rhs)
+    def row(x: Sequence[float] = (), d: Sequence[float] = (), t: float = 0.0, a: Sequence[float] = (), b: Sequence[float] = (), *, rhs: float, low: float = -math.inf) -> None:
+        rows.append([*(x or [0.0] * n), *(d or [0.0] * n), t, *(a or [0.0] * n), *(b or [0.0] * n)])
+        lows.append(low)
+        highs.append(rhs)
 
     def one(i: int, value: float) -> list[float]:
         return [value if j == i else 0.0 for j in range(n)]
@@ -185,12 +196,55 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     # device memory: each request holds its context through its device time and decode tail
     contexts = [float(r.context) for r in requests]
     row(d=contexts, t=-float(shape.device_tokens), rhs=-tail * sum(contexts))
-    objective = [0.0] * (2 * n) + [1.0]
-    variable_bounds = [(0.0, h) for h in held] + [(0.0, None)] * n + [(0.0, None)]
-    result = linprog(objective, A_ub=rows, b_ub=bounds, bounds=variable_bounds, method="highs")
+    # The store reads one request's pages after another's, and the copies run one after another
+    # too: the chains above let every request read and copy at the store's and the copies' full
+    # speed at once. So (a) no copy starts before the first request to copy has its prefix in
+    # host memory (at once for one with a host hit, after its read for one loading only stored
+    # pages), and every load and the last one's decode tail follow; (b) after the last read ends,
+    # its request still copies and computes (its ``d``) and decodes. Which request is first (a)
+    # and last (b) is the program's to choose: binary ``a`` and ``b``, at most one each, and one
+    # whenever anything is copied or read. ``big`` exceeds any right-hand side, so a row whose
+    # request is not chosen holds for every T >= 0.
+    big = 1.0 + 2.0 * (
+        sum(held) * (read_s + copy_s) + sum(host) * copy_s + sum(computed) * compute_s + decodes + tail + fixed_store + fixed_copies
+    )
+    can_copy = [host[i] + held[i] > 0 for i in range(n)]
+    can_read = [held[i] > 0 for i in range(n)]
+    loads_copied = [copy_s] * n
+    for i in range(n):
+        if can_copy[i]:
+            # (a) with i first: its own read (none with a host hit), then every load, then the tail
+            head = one(i, read_s) if host[i] == 0 else [0.0] * n
+            row(x=[h + c for h, c in zip(head, loads_copied)], t=-1.0, a=one(i, big), rhs=big - tail - sum(host) * copy_s)
+            if host[i] == 0:  # first to copy with nothing in host memory: it loads something
+                row(x=one(i, -1.0), a=one(i, 1.0), rhs=0.0)
+        if can_read[i]:
+            # (b) with i last to read: every read, then its device time and decode tail
+            row(x=[read_s] * n, d=one(i, 1.0), t=-1.0, b=one(i, big), rhs=big - tail)
+            row(x=one(i, -1.0), b=one(i, 1.0), rhs=0.0)  # last to read: it reads something
+    first = [1.0 if can_copy[i] else 0.0 for i in range(n)]
+    last = [1.0 if can_read[i] else 0.0 for i in range(n)]
+    # one first copy if a host hit is copied (else at most one), one last read at most; any load
+    # needs both (x_i <= held_i x sum(a), x_i <= held_i x sum(b))
+    row(a=first, rhs=1.0, low=1.0 if sum(host) > 0 else 0.0)
+    row(b=last, rhs=1.0)
+    for i in range(n):
+        if held[i] > 0:
+            row(x=one(i, 1.0), a=[-held[i] * f for f in first], rhs=0.0)
+            row(x=one(i, 1.0), b=[-held[i] * f for f in last], rhs=0.0)
+    objective = [0.0] * (2 * n) + [1.0] + [0.0] * (2 * n)
+    upper = [*held, *([math.inf] * n), math.inf, *first, *last]
+    integrality = [0] * (2 * n + 1) + [1] * (2 * n)
+    result = milp(
+        objective,
+        constraints=LinearConstraint(rows, lows, highs),
+        bounds=Bounds([0.0] * (4 * n + 1), upper),
+        integrality=integrality,
+        options={"mip_rel_gap": 1e-9},
+    )
     if not result.success:
         raise RuntimeError(f"the reachable bound's program for a round found no solution: {result.message}")
-    return float(result.x[-1]), [float(v) for v in result.x[:n]]
+    return float(result.x[2 * n]), [float(v) for v in result.x[:n]]
 
 
 def _fit_together(prompts: Sequence[int], device_tokens: int) -> int:

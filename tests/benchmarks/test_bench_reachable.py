@@ -88,6 +88,31 @@ def test_a_store_slower_than_compute_recomputes_what_it_held():
 
 
 @pytest.mark.parametrize(
+    "first, expected_s",
+    [
+        # both read 400 stored tokens (40 ms each): the store reads one after the other and the
+        # copies (40 ms each) run one after the other, so the first copy waits for a read and the
+        # second for the first copy: 40 + 40 + 40 ms, then the last one's 2 decode steps
+        (request(from_storage=400, computed=0), 0.040 + 0.080 + 0.020),
+        # the first copies a host hit: its copy runs while the other reads, so only the other's
+        # chain is left, its read, its copy and its decode steps
+        (request(from_host=400, computed=0), 0.040 + 0.040 + 0.020),
+    ],
+)
+def test_the_store_reads_and_the_copies_serve_one_request_after_another(first, expected_s):
+    # read and copy 1e7 B/s: 0.1 ms a token each; prefill 1 token/s, so every stored token is
+    # worth loading (and none is left to compute: a test's shortcut, a real request computes its
+    # last token). Each request's own chain is 40 ms of read, 40 ms of copy and 20 ms of decode
+    # (0.1 s): two chains at once would take 0.1 s, but the store and the copies are one each,
+    # and a request copies its stored prefix only once it is read
+    legs = modeled_legs(read=1e7, write=1e7, load=1e7, prefill=1.0, overlap=2.0)
+    reachable = one_round(first, request(from_storage=400, computed=0), legs=legs)
+    # (to within the fraction of a token the program computes for free under a 40 ms copy)
+    assert reachable.bound_s == pytest.approx(expected_s, rel=1e-3)
+    assert reachable.best_loaded_tokens == first.from_storage + 400
+
+
+@pytest.mark.parametrize(
     "max_running, decode_steps",
     [
         (4, 4),  # 8 requests x 2 decodes in batches of 4: ceil(16 / 4) steps
@@ -248,7 +273,22 @@ def leg_times(work: RoundWork, legs: Legs, shape: Shape, loads: list[float]) -> 
     }
     for index, (x, d) in enumerate(zip(loads, on_device)):
         times[f"chain {index}"] = x * read + d + tail
+    # the store reads and the copies run one request after another: no copy before the first
+    # copying request's prefix is in host memory (at once with a host hit, after its read
+    # otherwise), then every load and the tail; after the last read, its request's device time
+    # and tail
+    copying = [i for i, (r, x) in enumerate(zip(requests, loads)) if r.from_host + x > LOADED]
+    reading = [i for i, x in enumerate(loads) if x > LOADED]
+    if copying:
+        first = min(0.0 if requests[i].from_host else loads[i] * read for i in copying)
+        times["first copy, then every load"] = first + (sum(r.from_host for r in requests) + sum(loads)) * copy + tail
+    if reading:
+        times["every read, then the last reader"] = sum(loads) * read + min(on_device[i] for i in reading) + tail
     return times
+
+
+#: Loads below this many tokens are the solver's rounding, not a read or a copy.
+LOADED = 1e-6
 
 
 tokens = st.integers(min_value=0, max_value=2_000)
@@ -303,7 +343,7 @@ def test_the_bound_is_no_more_than_any_choice_and_no_less_than_every_leg_at_its_
         "the run's own": [float(r.from_storage) for r in work.requests],
         "recompute all": [0.0] * len(held),
         "load all": held,
-        "some of each": [share * h for share, h in zip(shares, held)],
+        "some of each": [float(math.floor(share * h)) for share, h in zip(shares, held)],  # whole tokens
     }
     for name, loads in choices.items():
         schedule = max(leg_times(work, drawn_legs, shape, loads).values())
