@@ -57,6 +57,10 @@ from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
 from hicache_core.tree_node import MatchResult, TreeNode
 
+#: How long before the modeled device runs out of queued work the scheduler queues the next
+#: decode step while requests wait to start (its loop sleeps at most 0.5 ms between checks).
+DECODE_LEAD_S = 0.001
+
 
 class Engine:
     """Serves requests through the tiers ``config`` selects. Owns ``storage`` (closes it on ``close``)."""
@@ -181,6 +185,14 @@ class Engine:
         gpu = self.runner.gpu
         if gpu is not None and self._running:
             pending = gpu.step_pending()
+            if self.admission.waiting:
+                # Prefill first: a step queued now would start only when the work queued before
+                # it ends, and a request admitted meanwhile would prefill after it and join the
+                # batch one step later. Queued just before the device is free, the step takes
+                # every request admitted until then: the long-history bench's rounds, whose
+                # requests start a few ms apart as their storage lookups return, decoded one
+                # more step than their batch needs (5 ms of each ~100 ms round at h200-7b).
+                pending = max(pending, gpu.queued_for() - DECODE_LEAD_S)
             # The modeled GPU still runs the last decode step, whose tokens this one reads: keep
             # admitting (and preparing) requests until it is done, as an overlap scheduler does.
             # Ranks agree, so that they decode the same steps.

@@ -295,6 +295,10 @@ class ModeledGPU:
         next step's inputs, so the scheduler admits and prepares requests until then."""
         return max(0.0, self._step_end - time.perf_counter())
 
+    def queued_for(self) -> float:
+        """Seconds until every piece of work queued so far ends (0 once it has)."""
+        return max(0.0, self.free_at - time.perf_counter())
+
     def wait(self) -> None:
         """Until the work queued so far has ended."""
         _sleep_until(self.free_at)
