@@ -14,10 +14,13 @@ page slower than computing it is held to that slow load. This bound fixes both, 
   tier held are computed.
 * **The round** takes at least the longest of:
 
-  - the GPU: every prefill, then the decode steps the round needs at least
-    (``ceil(requests x (output - 1) / batch)``: a step decodes its batch together, and a batch is
-    at most ``max_running`` requests and at most as many as L1 holds at once; and never fewer
-    than one request's own ``output - 1``: each of its steps is a pass of its own);
+  - the GPU: every prefill, then the decode steps the round needs at least,
+    ``ceil(requests / batch) x (output - 1)``: a step decodes its batch together, a batch is at
+    most ``max_running`` requests and at most as many as L1 holds at once, and a request holds
+    its place from its first step to its last, so the requests fall into at most ``batch``
+    sequences of requests one after another, the longest of them ``ceil(requests / batch)``
+    long (counting request-steps instead, ``ceil(requests x (output - 1) / batch)``, let four
+    requests of which three fit L1 decode 7 steps each in 10 steps, where no order takes under 14);
   - each request's own chain: its store read, then its time on the device (its copy to the
     device overlapped with its prefill, layer-wise: the longer of the two), then ``output - 1``
     decode steps;
@@ -157,9 +160,10 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     # the modeled GPU runs prefills and decode steps one after another, and a request's steps are
     # passes of their own: a round of fewer requests than max_running still takes all of them. A
     # step decodes only requests resident in L1 together: at most max_running, and at most as
-    # many as fit (smallest prompts first)
+    # many as fit (smallest prompts first); each stays from its first step to its last, so the
+    # requests run in at most ``batch`` lanes, one of them ceil(n / batch) requests long
     batch = min(shape.max_running, _fit_together([r.context - steps for r in requests], shape.device_tokens))
-    decodes = max(math.ceil(n * steps / batch), steps) * step
+    decodes = math.ceil(n / batch) * steps * step
     held = [float(r.from_storage + r.stored_recomputed) for r in requests]
     computed = [float(r.computed + r.from_storage) for r in requests]  # computed when nothing is loaded
     host = [float(r.from_host) for r in requests]

@@ -118,6 +118,9 @@ def test_the_store_reads_and_the_copies_serve_one_request_after_another(first, e
         (4, 4),  # 8 requests x 2 decodes in batches of 4: ceil(16 / 4) steps
         (2, 8),  # in batches of 2: ceil(16 / 2)
         (16, 2),  # all in one batch: ceil(16 / 16) = 1, but each request's 2 steps are passes of their own
+        # 6 at once: 16 request-steps would fill 3 steps, but a request holds its place from its
+        # first step to its last, so 2 requests decode after 6 others have finished: 2 + 2 steps
+        (6, 4),
     ],
 )
 def test_the_gpu_runs_a_rounds_prefills_one_after_another_and_its_decodes_in_batches(max_running, decode_steps):
@@ -264,8 +267,8 @@ def leg_times(work: RoundWork, legs: Legs, shape: Shape, loads: list[float]) -> 
     fit = max(1, sum(1 for i in range(len(prompts)) if sum(prompts[: i + 1]) <= shape.device_tokens))
     batch = min(shape.max_running, fit)
     times = {
-        # decode steps in batches, but no fewer than one request's own
-        "gpu": sum(to_compute) * compute + max(math.ceil(len(requests) * steps / batch), steps) * legs.decode_step_s,
+        # decode steps: at most `batch` requests at once, each from its first step to its last
+        "gpu": sum(to_compute) * compute + math.ceil(len(requests) / batch) * steps * legs.decode_step_s,
         "store": store,
         "copies": copies,
         "machine": (store + copies) / legs.overlap,
