@@ -60,13 +60,17 @@ class Admission:
             self.tree.lock(live.pinned)
             prefetcher.try_issue(live.prefetch)  # if rate-limited, _admit retries it
 
-    def admit(self, start: Callable[[Live], bool], started: Callable[[Live], None]) -> bool:
+    def admit(self, start: Callable[[Live], bool], started: Callable[[Live], None], fits: Callable[[Live], bool] | None = None) -> bool:
         """Start waiting requests in order while fewer than ``max_running`` run: each whose
         prefetch is ready by the stop policy (or has none) and for which ``start`` finds device
         memory (``started`` runs right after, before the next is considered); whether any started.
         Once the head of the queue cannot start (or ``max_running`` run), the requests behind it
         only take their completed prefetches into the tree (the host capacity those held goes to
         the reads still planned) and wait.
+
+        ``fits`` tells whether device memory could hold a request now (free and evictable
+        pages); with it, a head that cannot start takes the device prefixes pinned by requests
+        behind it, when that is enough (``unpin_behind``).
 
         Raises :class:`EngineCapacityError` if the head of the queue cannot start although
         nothing holds device memory (a leaked lock).
@@ -108,6 +112,8 @@ class Admission:
                 admitted = True
                 started(live)
                 continue
+            if fits is not None and self.unpin_behind(live, fits):
+                continue  # its memory epoch moved: it is tried again at the next step
             self._failed = (live, self._memory_epoch())
             if not self.running and not self.controller.io_pending and not self.unpin_waiting():
                 # Nothing holds device memory any more (no request runs, no copy is in flight, no
@@ -207,6 +213,32 @@ class Admission:
                 live.refetched = False
                 released = True
         return released
+
+    def unpin_behind(self, head: Live, fits: Callable[[Live], bool]) -> bool:
+        """Release device prefixes pinned by requests queued behind ``head``, which could not
+        get device memory, the last queued first, as far as ``head`` then fits; whether it does.
+        They cannot start before it, and their pins keep their device prefixes from eviction:
+        in the long-history bench's late rounds two waiting requests pinned 20,000 of L1's
+        32,768 tokens while the head, needing 13,000, waited for a running request's whole
+        decode, and a round ran in three waves where two fit. A request unpinned here whose
+        prefix is then evicted loads it from the host or fetches it back once (as after
+        ``unpin_waiting``). When even every such pin would not make room, all are kept: their
+        requests' host pages would be evicted for nothing."""
+        released: list[Live] = []
+        for live in reversed(self.waiting[self.waiting.index(head) + 1 :]):
+            if live.pinned is None or live.prefetch is not None or not self.tree.on_device(live.pinned):
+                continue  # (a read in flight hangs its pages from the pin: unpinned, they could be dropped)
+            self.tree.unlock(live.pinned)
+            released.append(live)
+            if fits(head):
+                for unpinned in released:
+                    unpinned.pinned = None
+                    unpinned.refetched = False
+                return True
+        for kept in released:
+            assert kept.pinned is not None
+            self.tree.lock(kept.pinned)
+        return False
 
     def unpin(self, live: Live) -> None:
         if live.pinned is not None:

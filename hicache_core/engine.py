@@ -181,7 +181,7 @@ class Engine:
     def step(self) -> None:
         """One scheduling round: apply finished I/O, admit ready requests (prefill), decode one token each."""
         self.controller.poll()
-        admitted = self.admission.admit(self._start, self._started)
+        admitted = self.admission.admit(self._start, self._started, self._fits if self.config.tiers is not CacheTiers.OFF else None)
         gpu = self.runner.gpu
         if gpu is not None and self._running:
             pending = gpu.step_pending()
@@ -335,6 +335,11 @@ class Engine:
         result.ttft_s = first_token - live.submitted
         self.controller.loads_done()
         return True
+
+    def _fits(self, live: Live) -> bool:
+        """Whether device memory could hold the request now (``_may_fit`` at its current match)."""
+        match = self.tree.match_prefix(self.admission.matchable(live), count_host=not self.config.controller.buffer_only or live.storage_tokens > 0)
+        return self._may_fit(live, match, self.tree.resume_point(match.host_node, on_device=False))
 
     def _may_fit(self, live: Live, match: MatchResult, resume: TreeNode) -> bool:
         """Whether device memory could hold the request resuming at ``resume``: the pages its

@@ -413,6 +413,10 @@ class RadixTree:
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n
 
+    def on_device(self, node: TreeNode) -> bool:
+        """Whether any node of the path to ``node`` holds device slots."""
+        return any(n.device_value is not None for n in self._path_up(node))
+
     def protect_host(self, node: TreeNode, begin: int) -> None:
         """I/O is in flight on the host pages of the path's tokens from ``begin`` (where a node of
         the path starts) to ``node``'s end: those pages are not freed (``host_io``) and ``node``

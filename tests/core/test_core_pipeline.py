@@ -208,3 +208,33 @@ def test_a_node_already_in_l3_is_not_copied_to_the_host_again_after_its_host_cop
         backed_up = engine.metrics.snapshot()["host_backup_pages"] - stored_pages
     assert result.cached_device == 40
     assert backed_up == 3, "only the three new pages are copied to the host (and stored)"
+
+
+def test_a_head_short_of_memory_takes_the_device_prefix_pinned_by_a_request_behind_it():
+    """A waiting request pins its matched prefix, on the device too. Behind the head of the
+    queue it cannot start first, so when the head is short of device memory and that pin is
+    what stands in its way, the pin goes: the head starts beside the running request instead of
+    waiting for it to finish (the long-history bench's late rounds ran in three waves where two
+    fit). The request behind gets its prefix back from the host."""
+    store = f"pipeline-{uuid.uuid4().hex}"
+    history = prompt(30, 40)  # 10 pages
+    extension = prompt(31, 16)
+    stored(store, history + extension)  # L3 holds the history and its extension
+    # 32 device pages of 4 tokens
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store, device_pages=32)) as engine:
+        engine.serve([Request("history", history, 1)])  # the history is on the device (10 pages)
+        engine.submit(Request("running", prompt(32, 20), 60))  # 20 + 59 tokens: 20 pages, for 59 steps
+        step_until(engine, lambda: bool(engine._running), "the running request to start")
+        engine.submit(Request("head", prompt(33, 36), 2))  # 37 tokens: 10 pages; 2 are free
+        engine.submit(Request("behind", history + extension + prompt(34, 4), 1))  # its prefetch pins the history
+        for live in engine.admission.waiting:
+            assert live.prefetch is not None and live.prefetch.done.wait(DEADLINE_S), live.request.rid
+        for _ in range(10):  # the running request needs 59 steps: it is still running after these
+            engine.step()
+            if any(live.request.rid == "head" for live in engine._running):
+                break
+        assert sorted(live.request.rid for live in engine._running) == ["head", "running"]
+        step_until(engine, lambda: not engine.has_work(), "every request")
+        results = {r.rid: r for r in engine.take_results()}
+    behind = results["behind"]
+    assert behind.cached_device + behind.cached_host + behind.cached_storage == 40 + 16, "its prefix came back from a tier"
