@@ -579,7 +579,10 @@ class Prefetcher:
         return False
 
     def _most_worth_loading(self, op: PrefetchOp) -> int:
-        """The pages of ``op`` the cost model would load if the store held every one."""
+        """The pages of ``op`` the cost model would load if the store held every one (all of them
+        for a hybrid model: where its load may stop is known only from the store's answer)."""
+        if self.components:
+            return op.pages
         with self._reads_lock:
             queued = self._reads_queued
         return self.cost.pages_to_load(
@@ -593,16 +596,27 @@ class Prefetcher:
         op's ``stored_pages`` is computed."""
         with self._reads_lock:
             queued = self._reads_queued
+        cuts: list[int] | None = None
+        if self.components:
+            # A hybrid model's load stops only where every component's stored state allows:
+            # planned at any page, the cost model left the last page of a recurrent shape's
+            # prefix to the compute (its copy hid that page's compute), and the request resumed
+            # at the checkpoint before, recomputing a whole turn (the pre-filled L3 run fell
+            # from 96-97% to 83-88% hit). So it chooses among the cuts the store holds.
+            found = guarded_call(self.metrics, lambda: store.lookup(chain[: lead + hit], held=lead).cuts, (), "exists", health=health)
+            cuts = [cut - lead for cut in found] + [hit]  # (hit is the longest cut the store answered for)
         plan = self.cost.pages_to_load(
-            op.request_id, hit, page_bytes=self.host.page_bytes, page_tokens=self.page_size, reads_ahead_bytes=queued * self.host.page_bytes
+            op.request_id,
+            hit,
+            page_bytes=self.host.page_bytes,
+            page_tokens=self.page_size,
+            reads_ahead_bytes=queued * self.host.page_bytes,
+            cuts=cuts,
         )
         pages = self.tp.prefetch.all_min(plan.pages)
-        if self.components:
-            local = pages
-            if pages < hit:  # the cut must be one every component's stored state allows
-                cuts = guarded_call(self.metrics, lambda: store.lookup(chain[: lead + pages], held=lead).cuts, (), "exists", health=health)
-                local = max(cuts, default=lead) - lead
-            pages = self.tp.prefetch.all_min(local)
+        if cuts is not None:
+            # ranks may differ in their plans (MIN): still a cut every component allows
+            pages = self.tp.prefetch.all_min(max((cut for cut in cuts if cut <= pages), default=0))
         self.cost.note_plan(op.pages, pages)
         if pages < op.stored_pages:
             self.metrics.add(prefetch_declined_pages=op.stored_pages - pages)

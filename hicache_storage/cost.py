@@ -44,7 +44,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 
 
@@ -273,14 +273,23 @@ class CostModel:
         return None if rate is None else page_tokens / rate
 
     def pages_to_load(
-        self, request: Hashable, stored_pages: int, *, page_bytes: int, page_tokens: int, reads_ahead_bytes: int = 0
+        self,
+        request: Hashable,
+        stored_pages: int,
+        *,
+        page_bytes: int,
+        page_tokens: int,
+        reads_ahead_bytes: int = 0,
+        cuts: Collection[int] | None = None,
     ) -> LoadPlan:
         """How many of ``stored_pages`` (the head of the rest of ``request``'s prefix) to load:
         the count that finishes the request first (see the module).
 
-        ``reads_ahead_bytes``: reads queued on the store before this one. With
-        :attr:`LoadPolicy.ALL`, or the reads or the compute not timed yet, every stored page
-        (untimed copies count as free).
+        ``reads_ahead_bytes``: reads queued on the store before this one. ``cuts``: where a load
+        may stop, when not after any page (a hybrid model resumes only where every pool holds
+        state: loading fewer pages than a cut means computing from the cut before); none, or
+        ``stored_pages``, always may. With :attr:`LoadPolicy.ALL`, or the reads or the compute
+        not timed yet, every stored page (untimed copies count as free).
         """
         load = self.load_s_per_page(page_bytes)
         compute = self.compute_s_per_page(page_tokens)
@@ -313,6 +322,12 @@ class CostModel:
         free = (ahead - reads_ahead - latency) / read if read > 0 else math.inf
         balanced = (new_s + stored_pages * compute - host_s) / (copy + compute)
         candidates = {0, stored_pages}
+        if cuts is not None:
+            # only where a load may stop: computing "the rest" from an earlier cut costs what
+            # ``finish`` charges for it (the one page the balance point would leave to the
+            # compute is, for a hybrid model, every page back to the cut before)
+            candidates.update(cut for cut in cuts if 0 < cut < stored_pages)
+            return plan(min(candidates, key=lambda pages: (finish(pages), -pages)))
         for point in (free, balanced):
             if math.isfinite(point):
                 candidates.update(min(stored_pages, max(0, bound)) for bound in (math.floor(point), math.ceil(point)))

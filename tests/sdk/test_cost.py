@@ -229,6 +229,30 @@ def test_what_a_request_computes_and_copies_anyway_moves_the_balance():
     assert plan(model).pages == 63
 
 
+@pytest.mark.parametrize(
+    "cuts, pages",
+    [
+        # 2x + max(3x, 4(100 - x)) at the cuts only: 0 -> 400, 50 -> 300, 100 -> 500: 50
+        ((50,), 50),
+        # 60 -> 2 x 60 + 180 = 300, a tie with 50: the more pages
+        ((50, 60), 60),
+        # 80 -> 160 + 240 = 400, a tie with none at all: loading all takes 500
+        ((80,), 80),
+        # 90 -> 180 + 270 = 450; none takes 400
+        ((90,), 0),
+        ((), 0),  # only none or all: 400 against 500
+    ],
+)
+def test_a_load_that_may_stop_only_at_given_cuts_is_planned_among_them(cuts, pages):
+    """A hybrid model resumes only where every pool holds state: between cuts, loading fewer
+    pages means computing from the cut before. The plan of the test above (57 pages) is not a
+    cut; among the cuts the least of 2x + max(3x, 4(100 - x)) wins, in 1/1024 s."""
+    model = given(read=READ_2, copy_bytes_per_s=COPY_3)
+    model.enqueue("r", STORED * PAGE_TOKENS)
+    decided = model.pages_to_load("r", STORED, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, cuts=cuts)
+    assert decided.pages == pages
+
+
 def test_copies_queued_ahead_count_as_device_work_ahead():
     """A request ahead computing 256 tokens (0.25 s) and copying 1 MiB at 1 MiB/s (1 s) holds
     the device for the longer of the two: they overlap layer by layer."""
