@@ -438,17 +438,23 @@ class Prefetcher:
 
     def _waited_past_compute(self, op: PrefetchOp) -> bool:
         """``timeout`` with :attr:`LoadPolicy.COST`: whether ``op``'s request has waited since the
-        op was planned as long as computing its pages takes. Host slots come back when backups,
-        copies and other requests end, at no pace the engine knows: a queue of write-through
-        backups to a store that writes slowly held every host slot of the hybrid long-history
-        bench for a second at a time, while four requests waited on 8-page reads they could
-        compute in 25 ms. Waiting no longer than the compute it would save costs at most twice
-        the better of the two choices (the rent-or-buy bound). ``wait_complete`` and
-        :attr:`LoadPolicy.ALL` wait for as long as reads, backups or requests are in flight."""
+        op was planned as long as computing its pages instead would take to finish: the device
+        work queued ahead of it (``device_ahead_s``), then the pages' compute. Host slots come
+        back when backups, copies and other requests end, at no pace the engine knows: a queue
+        of write-through backups to a store that writes slowly held every host slot of the
+        hybrid long-history bench for a second at a time, while four requests waited on 8-page
+        reads they could compute in 25 ms on an idle device. Waiting no longer than computing
+        takes costs at most twice the better of the two choices (the rent-or-buy bound). Counted
+        without the work ahead, sixteen requests queued behind a busy device gave their reads up
+        while they could not have started anyway, and the pre-filled L3 run of the recurrent
+        shape fell from 96-97% to 86-90% hit. ``wait_complete`` and :attr:`LoadPolicy.ALL` wait
+        for as long as reads, backups or requests are in flight."""
         if self.config.stop_policy is not StopPolicy.TIMEOUT or self.cost.config.policy is not LoadPolicy.COST:
             return False
         compute = self.cost.compute_s_per_page(self.page_size)
-        return compute is not None and time.monotonic() - op.planned_at >= op.pages * compute
+        if compute is None:
+            return False
+        return time.monotonic() - op.planned_at >= self.cost.device_ahead_s(op.request_id) + op.pages * compute
 
     def finish(self, op: PrefetchOp) -> int | None:
         """Stop ``op`` and put the pages every rank completed into the tree; returns tokens inserted,
