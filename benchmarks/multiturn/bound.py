@@ -47,7 +47,6 @@ from hicache_core.pools import DevicePool, HostPool
 from hicache_core.radix_tree import RadixTree
 
 
-
 @dataclass(frozen=True)
 class Legs:
     """Speeds in bytes per second (``None``: not measured), and the modeled compute."""
