@@ -86,7 +86,7 @@ class Admission:
                     if prefetcher.try_issue(op) or blocked:
                         continue
                     busy = prefetcher.pages_in_flight or self.controller.io_pending or self.running
-                    if busy and not prefetcher.gives_up(op):
+                    if busy and not prefetcher.gives_up(op, running=bool(self.running)):
                         continue  # host pages come back as those reads, backups and requests end
                     # Nothing in flight will give host pages back (a hung store may hold some for
                     # good): compute rather than wait for a prefetch that cannot start.

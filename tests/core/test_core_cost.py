@@ -338,10 +338,11 @@ def test_a_backup_never_rests_while_an_allocation_waits_for_pages_it_pins():
 def test_a_prefetch_short_of_host_slots_is_waited_for_as_long_as_computing_it_takes():
     """Under ``timeout`` and the cost model, a request whose prefetch cannot get host slots stops
     waiting once it has waited as long as computing the op's pages instead would take to finish:
-    the device work queued ahead of it, then the pages (10 pages: 1/256 s each); ``wait_complete``
-    and ``LoadPolicy.ALL`` keep waiting for as long as I/O is in flight."""
+    the device work queued ahead of it, then the pages (10 pages: 1/256 s each), and only while
+    no other request runs; ``wait_complete`` and ``LoadPolicy.ALL`` keep waiting for as long as
+    I/O is in flight."""
 
-    def gives_up(stop_policy: StopPolicy, load_policy: LoadPolicy, waited_s: float, ahead_tokens: int = 0) -> bool:
+    def gives_up(stop_policy: StopPolicy, load_policy: LoadPolicy, waited_s: float, ahead_tokens: int = 0, running: bool = False) -> bool:
         config = engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}")
         config.controller = dataclasses.replace(
             config.controller,
@@ -355,13 +356,15 @@ def test_a_prefetch_short_of_host_slots_is_waited_for_as_long_as_computing_it_ta
             engine.controller.cost.enqueue("r", WHOLE)
             op = PrefetchOp("r", list(range(WHOLE)), 0, [f"h{i}" for i in range(WHOLE // PAGE)])
             op.planned_at = time.monotonic() - waited_s
-            return prefetcher.gives_up(op)
+            return prefetcher.gives_up(op, running=running)
 
     compute_s = (WHOLE // PAGE) * PAGE / COMPUTE_TOKENS_PER_S
     assert gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=compute_s * 4)
     # behind device work of 8 times its compute it could not finish sooner by computing: it waits
     assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=compute_s * 4, ahead_tokens=8 * (WHOLE // PAGE) * PAGE)
     assert gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=compute_s * 10, ahead_tokens=8 * (WHOLE // PAGE) * PAGE)
+    # while other requests run, waiting costs the device nothing: it waits however long
+    assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=3600.0, running=True)
     assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.COST, waited_s=-3600.0), "planned just now"
     assert not gives_up(StopPolicy.TIMEOUT, LoadPolicy.ALL, waited_s=3600.0)
     assert not gives_up(StopPolicy.WAIT_COMPLETE, LoadPolicy.COST, waited_s=3600.0)
