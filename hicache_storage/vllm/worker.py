@@ -169,6 +169,12 @@ class WorkerSide:
         with self._lock:
             self.counts["blocks_already_stored"] += len(keys) - len(todo)
 
+    def wait_for_saves(self) -> None:
+        """Block until every save handed out so far has ended (its counts are then final): vLLM
+        returns a request's output before its blocks' save ends."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._pending_saves)
+
     def wait_for_saves_of(self, req_ids: tuple[str, ...]) -> None:
         """Block until every save of ``req_ids`` handed out so far has ended."""
         with self._lock:

@@ -83,6 +83,9 @@ def counters(llm: Any) -> dict[str, dict[str, int]]:
         found["scheduler_store"] = dict(connector.scheduler.store.counts)
     if has_kv_transfer_group():
         worker = get_kv_transfer_group().worker
+        # generate() returns a request's output before its blocks' save ends: read the counts
+        # once every save handed out has ended (the mooncake writer read 53 of 54 blocks once)
+        worker.wait_for_saves()
         found["worker"] = dict(worker.counts)
         found["worker_store"] = dict(worker.store.counts)
         found["worker_stats"] = worker.store.store.stats()
