@@ -602,8 +602,8 @@ class Prefetcher:
     def _planned_pages(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp, chain: list[str], lead: int, hit: int) -> int:
         """How many of the ``hit`` pages the store answered for to read: those the cost model
         finds worth loading (:meth:`~hicache_storage.cost.CostModel.pages_to_load`), agreed by
-        every rank (MIN); for a hybrid model cut back to a cut every pool accepts. The rest of the
-        op's ``stored_pages`` is computed."""
+        every rank (MIN); for a hybrid model chosen among the cuts every pool accepts. The rest
+        of the op's ``stored_pages`` is computed."""
         with self._reads_lock:
             queued = self._reads_queued
         cuts: list[int] | None = None
