@@ -103,7 +103,7 @@ class Engine:
         )
         gpu = self.runner.gpu
         if gpu is not None:  # the work queued on the modeled GPU is compute ahead of any new request
-            self.controller.cost.busy_for_s = lambda: gpu.free_at - time.perf_counter()
+            self.controller.cost.busy_for_s = gpu.queued_for
         self.sessions = SessionTable(self.tree)
         self._running: list[Live] = []
         self.admission = Admission(config, self.tree, self.controller, self._running)
@@ -280,9 +280,7 @@ class Engine:
         device_hit = matched = 0
         node = self.tree.root  # resuming at the root needs no lock (it is never evicted)
         if self.config.tiers is not CacheTiers.OFF:
-            count_host = not self.config.controller.buffer_only or inserted > 0
-            match = self.tree.match_prefix(self.admission.matchable(live), count_host=count_host)
-            resume = self.tree.resume_point(match.host_node, on_device=False)
+            match, resume = self._resume_point(live)
             if not self._may_fit(live, match, resume):
                 return False
             node, load = self.controller.load_back(match, resume)
@@ -336,10 +334,16 @@ class Engine:
         self.controller.loads_done()
         return True
 
+    def _resume_point(self, live: Live) -> tuple[MatchResult, TreeNode]:
+        """The request's match now, and where it would resume (host copies count unless
+        buffer-only, where only what its prefetch inserted does)."""
+        count_host = not self.config.controller.buffer_only or live.storage_tokens > 0
+        match = self.tree.match_prefix(self.admission.matchable(live), count_host=count_host)
+        return match, self.tree.resume_point(match.host_node, on_device=False)
+
     def _fits(self, live: Live) -> bool:
         """Whether device memory could hold the request now (``_may_fit`` at its current match)."""
-        match = self.tree.match_prefix(self.admission.matchable(live), count_host=not self.config.controller.buffer_only or live.storage_tokens > 0)
-        return self._may_fit(live, match, self.tree.resume_point(match.host_node, on_device=False))
+        return self._may_fit(live, *self._resume_point(live))
 
     def _may_fit(self, live: Live, match: MatchResult, resume: TreeNode) -> bool:
         """Whether device memory could hold the request resuming at ``resume``: the pages its
