@@ -2,7 +2,8 @@
 speeds given in ``CostConfig`` so that every plan is the same on any machine, and computed by hand.
 
 * A store too slow to beat compute is not read: the engine recomputes the stored prefix.
-* A store faster than compute serves every stored page.
+* A store faster than compute serves every stored page; what the engine wrote to a store that
+  keeps its pages it reads without a lookup, and a page deleted behind its back ends the read.
 * With compute queued ahead of a request, a slow store serves the head of its stored prefix
   that arrives before the engine reaches it; the rest is recomputed.
 * A hybrid model's head is cut back to a boundary every pool can resume at.
@@ -168,6 +169,65 @@ def test_a_store_faster_than_compute_serves_every_stored_page_after_a_flush():
     assert_identical(expected, again)
     assert [r.cached_storage for r in again] == [WHOLE] * 3 and [r.stored_recomputed for r in again] == [0] * 3
     assert counters["prefetch_declined_pages"] == 0 and counters["prefetch_pages"] == 3 * WHOLE // PAGE
+
+
+def test_pages_an_engine_wrote_to_a_store_that_keeps_them_are_read_without_a_lookup():
+    """The memory store drops nothing on its own (no capacity: no ``evicts``), so the pages the
+    engine wrote are there without asking: after a flush each prefetch reads them with no
+    ``exists`` call. Another engine's pages it has never seen are still looked up."""
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}", FAST_READ)) as engine:
+        storage = engine.controller.storage
+        assert storage is not None and not storage.capabilities.evicts
+        assert_identical(expected, engine.serve(requests))
+        engine.drain()
+        engine.flush_cache()
+        before = storage.stats()
+        again = engine.serve([Request(f"again-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        after = storage.stats()
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, again)
+    assert [r.cached_storage for r in again] == [WHOLE] * 3
+    assert counters["prefetch_lookups_known"] == 3
+    assert after["exists_keys"] == before["exists_keys"], "no page was looked up"
+    assert after["get_keys"] - before["get_keys"] == 3 * WHOLE // PAGE
+
+    store = filled_store()  # written by another engine: this one asks
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, FAST_READ)) as engine:
+        got = engine.serve(requests)
+        counters = engine.metrics.snapshot()
+        calls = engine.controller.storage.stats()  # type: ignore[union-attr]
+    assert_identical(expected, got)
+    assert [r.cached_storage for r in got] == [WHOLE] * 3
+    assert counters["prefetch_lookups_known"] == 0 and calls["exists_keys"] >= 3 * WHOLE // PAGE
+
+
+def test_a_page_deleted_behind_the_engines_back_ends_the_read_there_and_is_written_again():
+    """A page the engine wrote is deleted by someone else. Not looked up (the engine knows it
+    wrote it), it is found missing by the read: the request loads the pages before it, computes
+    the rest with outputs unchanged, and the backup writes the page again (a suspect: see
+    ``Prefetcher.suspects``)."""
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    gone = 5
+    with Engine(engine_config(CacheTiers.L1_L2_L3, f"cost-{uuid.uuid4().hex}", FAST_READ)) as engine:
+        assert_identical(expected, engine.serve(requests))
+        engine.drain()
+        engine.flush_cache()
+        store = engine.controller.store
+        assert store is not None
+        hashes = page_hashes(PROMPTS[0][:WHOLE], PAGE)
+        assert store.store.delete(store.keys(engine.key_scope.part, hashes[gone : gone + 1])) == [True]
+        again = engine.serve([Request(f"again-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        counters = engine.metrics.snapshot()
+        engine.drain()
+        rewritten = stored_pages(engine, PROMPTS[0])
+    assert_identical(expected, again)
+    assert [r.cached_storage for r in again] == [gone * PAGE, WHOLE, WHOLE]
+    assert again[0].computed == len(PROMPTS[0]) - gone * PAGE
+    assert counters["prefetch_lookups_known"] == 3 and counters["prefetch_failed_batches"] == 1
+    assert rewritten == WHOLE // PAGE, "the backup wrote the missing page again"
 
 
 def serve_submitted_together(engine: Engine, requests: list[Request]) -> dict[str, RequestResult]:
