@@ -128,7 +128,7 @@ class HiCacheStorageConnector(KVConnectorBase_V1):
         """A preempted request's blocks may be reused by this step's forward: its saves end first."""
         assert isinstance(kv_connector_metadata, HiCacheConnectorMetadata)
         if kv_connector_metadata.preempted:
-            self._worker().wait_for_saves_of(kv_connector_metadata.preempted)
+            self._worker().wait_for_saves(kv_connector_metadata.preempted)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self._worker().transfer_results(finished_req_ids)

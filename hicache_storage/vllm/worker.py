@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -169,16 +170,15 @@ class WorkerSide:
         with self._lock:
             self.counts["blocks_already_stored"] += len(keys) - len(todo)
 
-    def wait_for_saves(self) -> None:
-        """Block until every save handed out so far has ended (its counts are then final): vLLM
-        returns a request's output before its blocks' save ends."""
+    def wait_for_saves(self, req_ids: Collection[str] | None = None) -> None:
+        """Block until every save handed out so far (only those of ``req_ids``, when given) has
+        ended: a preempted request's blocks may be reused by the next forward, and vLLM returns a
+        request's output before its blocks' save ends (the counts are final after a wait for all)."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._pending_saves)
-
-    def wait_for_saves_of(self, req_ids: tuple[str, ...]) -> None:
-        """Block until every save of ``req_ids`` handed out so far has ended."""
-        with self._lock:
-            self._lock.wait_for(lambda: not any(self._pending_saves[r] for r in req_ids))
+            if req_ids is None:
+                self._lock.wait_for(lambda: not self._pending_saves)
+            else:
+                self._lock.wait_for(lambda: not any(self._pending_saves.get(r) for r in req_ids))
 
     def _run_save(self, save: BlockTransfer) -> None:
         try:
