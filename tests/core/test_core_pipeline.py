@@ -238,3 +238,41 @@ def test_a_head_short_of_memory_takes_the_device_prefix_pinned_by_a_request_behi
         results = {r.rid: r for r in engine.take_results()}
     behind = results["behind"]
     assert behind.cached_device + behind.cached_host + behind.cached_storage == 40 + 16, "its prefix came back from a tier"
+
+
+def test_a_head_short_of_memory_takes_the_device_prefix_pinned_by_a_request_whose_read_is_in_flight():
+    """The same, with the read of the request behind still in flight (a slow store): its pin goes
+    too. Its read's pages hang from that prefix, which keeps its host copy, so once the read
+    lands the request behind still loads its whole prompt from the tiers. Before, the head waited
+    for that read: in the long-history bench three requests' device prefixes filled L1 while two
+    of them read their last turn from the store, and the third, all of its prefix on the device,
+    waited for a read with nothing running."""
+    store = f"pipeline-{uuid.uuid4().hex}"
+    history = prompt(40, 40)  # 10 pages
+    extension = prompt(41, 16)
+    stored(store, history + extension)
+    backend = GatedReads(store)
+    backend.gate.set()
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store, device_pages=32), storage=backend) as engine:
+        engine.serve([Request("history", history, 1)])  # the history is on the device (10 pages)
+        engine.drain()
+        backend.gate.clear()
+        backend.reading.clear()
+        engine.submit(Request("running", prompt(42, 20), 60))  # 20 pages, for 59 steps
+        step_until(engine, lambda: bool(engine._running), "the running request to start")
+        engine.submit(Request("head", prompt(43, 36), 2))  # 10 pages; 2 are free
+        engine.submit(Request("behind", history + extension + prompt(44, 4), 1))  # its prefetch pins the history
+        assert backend.reading.wait(DEADLINE_S), "the extension was never read"
+        for _ in range(10):  # the running request needs 59 steps: it is still running after these
+            engine.step()
+            if any(live.request.rid == "head" for live in engine._running):
+                break
+        assert sorted(live.request.rid for live in engine._running) == ["head", "running"]
+        waiting = engine.admission.waiting
+        assert [live.request.rid for live in waiting] == ["behind"] and waiting[0].prefetch is not None, "its read is held"
+        backend.gate.set()
+        step_until(engine, lambda: not engine.has_work(), "every request")
+        results = {r.rid: r for r in engine.take_results()}
+    behind = results["behind"]
+    assert behind.cached_storage == 16, "the read it was waiting for was used"
+    assert behind.cached_device + behind.cached_host + behind.cached_storage == 40 + 16, "its prefix came back from a tier"
