@@ -27,6 +27,7 @@ comes from: the leg that sets the bound (the backend, the copies, compute) or th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -36,8 +37,10 @@ from typing import Any
 
 import torch
 
+from hicache_storage.errors import StorageError
 from hicache_storage.keys import KeyScope, Namespace, PageKey
 from hicache_storage.registry import create_backend
+from hicache_storage.store import Store
 
 from hicache_core.controller import CacheController
 from hicache_core.engine import EngineConfig
@@ -45,6 +48,8 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.model import ModelConfig
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.radix_tree import RadixTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,9 +217,10 @@ def _storage_speeds(
         size = pages * host.page_bytes
         writes, reads = [], []
         keys: list[PageKey] = []
+        removable = store.capabilities.delete
         for attempt in range(repeats):
-            if keys and store.capabilities.delete:
-                store.delete(keys)
+            if keys and removable:
+                removable = _remove_timing_pages(store, keys, scope)
             keys = scope.keys([f"{attempt:08x}{page:056x}" for page in range(pages)])
             started = time.perf_counter()
             stored = store.put_from(keys, segments)
@@ -229,11 +235,24 @@ def _storage_speeds(
                 )
         last = keys
         overlap = _overlap(lambda: store.get_into(last, segments), min(reads), load, load_s, repeats)
-        if store.capabilities.delete:
-            store.delete(keys)
+        if removable:
+            _remove_timing_pages(store, keys, scope)
         return size / min(writes), size / min(reads), overlap
     finally:
         store.close()
+
+
+def _remove_timing_pages(store: Store, keys: list[PageKey], scope: KeyScope) -> bool:
+    """Delete the pages one timing wrote; False, with a warning, when the store would not (the
+    rest are then left to it: each timing writes fresh keys under its own tenant). A store with read
+    leases refuses a delete until the lease a read just took expires: Mooncake's own master (10 s)
+    outlasts the store's call timeout, and the measurement stopped the bench there."""
+    try:
+        store.delete(keys)
+        return True
+    except StorageError as exc:
+        log.warning("measuring the store: deleting %d timing pages failed (%s); this and later timings' pages stay in the store under tenant %r", len(keys), exc, scope.namespace.tenant)
+        return False
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,38 @@ def test_legs_measured_twice_keep_the_faster_of_each_speed():
     assert no_store.fastest(after).storage_write == 0.6e9 and no_store.fastest(no_store).storage_read is None
 
 
+def test_the_store_is_timed_where_it_refuses_to_delete_pages_just_read(monkeypatch, caplog):
+    """A store with read leases refuses a delete until the lease a read took expires (Mooncake's
+    own master holds one 10 s, longer than the store's call timeout), and timing the store's legs
+    deleted each timing's pages right after reading them: the bench stopped there. The speeds are
+    still measured; the pages stay (fresh keys under the timing's own tenant), with a warning,
+    and no delete is tried again."""
+    import logging
+
+    from hicache_storage.benchmarks.multiturn import bound
+    from hicache_storage.benchmarks.multiturn.runner import measure_bench_legs
+    from hicache_core.engine import CacheTiers
+    from hicache_storage.connectors.memory import MemoryBackend
+    from hicache_storage.layers import FaultInjectionLayer
+
+    leased: list[FaultInjectionLayer] = []
+
+    def refusing_deletes(name, config):
+        leased.append(FaultInjectionLayer(MemoryBackend(), {"delete": {"error_rate": 1.0, "errors": ["timeout"]}}))
+        return leased[-1]
+
+    monkeypatch.setattr(bound, "create_backend", refusing_deletes)
+    config = BenchConfig(
+        workload=Workload(clients=2, rounds=1, request_length=64, output_length=2, max_running=2), tiers=(CacheTiers.L1_L2_L3,),
+        layers=2, kv_heads=2, head_dim=16, page_size=16, device_tokens=256,
+    )
+    with caplog.at_level(logging.WARNING, logger=bound.__name__):
+        legs = measure_bench_legs(config)
+    assert legs.storage_write and legs.storage_read and legs.storage_write > 0 and legs.storage_read > 0
+    assert len(leased) == 1 and [(event.operation, event.fault) for event in leased[0].events] == [("delete", "error")], "one refused delete, none tried after it"
+    assert "deleting" in caplog.text and "timing pages failed" in caplog.text and "tenant" in caplog.text
+
+
 @pytest.mark.parametrize("model, tiers", [("modeled", ("L1", "L1+L2+L3")), ("modeled", ("L1+L2+L3",)), ("reference", ("L1+L2+L3",))])
 def test_each_run_records_its_rounds_work_and_a_reachable_bound_under_modeled_compute(model, tiers):
     """The reachable bound's input, request by request, adds up with what the run served; no
