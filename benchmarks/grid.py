@@ -4,9 +4,10 @@
                                              [--preset long-history] [--out results/grid]
 
 Starts the servers the stores need on loopback (Redis, SeaweedFS for S3, a Mooncake master with
-a storage node large enough for the workload and Mooncake's own read lease), then for each compute speed runs L1 once and
-L1+L2+L3 once per store, all in one process, and writes ``grid.json`` and ``grid.md``: per point,
-the hit rate, the ratio over that compute's L1 run, both bounds and what the cost model chose.
+Mooncake's own read lease and a storage node large enough for the workload), then for each
+compute speed runs L1 once and L1+L2+L3 once per store, all in one process, and writes
+``grid.json`` and ``grid.md``: per point, the hit rate, the ratio over that compute's L1 run,
+both bounds and what the cost model chose.
 """
 
 from __future__ import annotations

@@ -251,7 +251,10 @@ def _remove_timing_pages(store: Store, keys: list[PageKey], scope: KeyScope) -> 
         store.delete(keys)
         return True
     except StorageError as exc:
-        log.warning("measuring the store: deleting %d timing pages failed (%s); this and later timings' pages stay in the store under tenant %r", len(keys), exc, scope.namespace.tenant)
+        log.warning(
+            "measuring the store: deleting %d timing pages failed (%s); this and later timings' pages stay in the store under tenant %r",
+            len(keys), exc, scope.namespace.tenant,
+        )
         return False
 
 
