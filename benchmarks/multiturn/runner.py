@@ -266,11 +266,17 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
         RoundWork(
             tuple(
                 RequestWork(
-                    s.result.cached_host, s.result.cached_storage, s.result.stored_recomputed, s.result.computed, s.result.prompt_tokens + len(s.result.output_ids)
+                    s.result.cached_host,
+                    s.result.cached_storage,
+                    s.result.stored_recomputed,
+                    s.result.computed,
+                    s.result.prompt_tokens + len(s.result.output_ids),
+                    from_device=s.result.cached_device,
                 )
                 for s in served
                 if s.round == r
             ),
+            shared_pages=_share_pages([s.prompt_head for s in served if s.round == r]),
             storage_written=after["storage_backup_bytes"] - before["storage_backup_bytes"],
             backed_up=(after["host_backup_pages"] - before["host_backup_pages"]) * page_bytes + after["side_backup"] - before["side_backup"],
             side_read=after["side_storage_read"] - before["side_storage_read"],
@@ -288,6 +294,12 @@ def run_tiers(config: BenchConfig, tiers: CacheTiers, on_round: Callable[[int], 
         side_pool_bytes=side,
         round_work=work,
     )
+
+
+def _share_pages(heads: list[tuple[int, ...]]) -> bool:
+    """Whether two of a round's prompts share pages: in a prefix tree, two sequences share a page
+    only if they share their first (``heads``: each prompt's first page of tokens)."""
+    return len(set(heads)) < len(heads)
 
 
 def _round_mark(metrics: dict[str, float], moved: Any) -> dict[str, float]:

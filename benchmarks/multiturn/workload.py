@@ -50,6 +50,9 @@ class Served:
     result: RequestResult
     submitted: float
     finished: float
+    #: The prompt's first page of tokens (the engine's page size): two prompts share a page only
+    #: if they share this one.
+    prompt_head: tuple[int, ...] = ()
 
 
 def run_workload(
@@ -64,7 +67,7 @@ def run_workload(
 
     def record(client: int, round_: int, req: Request, result: RequestResult, submitted: float) -> None:
         histories[client] = req.tokens + result.output_ids
-        served.append(Served(client, round_, result, submitted, time.perf_counter()))
+        served.append(Served(client, round_, result, submitted, time.perf_counter(), tuple(req.tokens[: engine.config.page_size])))
 
     if workload.round_barrier:
         for round_ in range(workload.rounds):

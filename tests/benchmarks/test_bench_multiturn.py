@@ -188,6 +188,7 @@ def test_each_run_records_its_rounds_work_and_a_reachable_bound_under_modeled_co
             assert len(requests) == stats["requests"] == workload.clients
             # every prompt token came from one place: L1, L2, L3 or computed
             assert stats["device_tokens"] + stats["host_tokens"] + stats["storage_tokens"] + stats["computed_tokens"] == stats["prompt_tokens"]
+            assert sum(r["from_device"] for r in requests) == stats["device_tokens"]
             assert sum(r["from_host"] for r in requests) == stats["host_tokens"]
             assert sum(r["from_storage"] for r in requests) == stats["storage_tokens"]
             assert sum(r["computed"] for r in requests) == stats["computed_tokens"]
@@ -197,6 +198,7 @@ def test_each_run_records_its_rounds_work_and_a_reachable_bound_under_modeled_co
                 assert 0 <= r["stored_recomputed"] <= r["computed"], r
                 assert r["from_host"] + r["from_storage"] + r["computed"] <= r["context"] - workload.output_length, r
             assert work["storage_written"] >= 0 and work["backed_up"] >= 0
+            assert work["shared_pages"] is False, "the workload's conversations share no page"
         if not run["tiers"].endswith("L3"):
             assert all(r["from_storage"] == r["stored_recomputed"] == 0 for w in run["round_work"] for r in w["requests"])
         reachable = run["reachable"]
@@ -213,3 +215,11 @@ def test_each_run_records_its_rounds_work_and_a_reachable_bound_under_modeled_co
         stored = sum(r["from_storage"] + r["stored_recomputed"] for w in run["round_work"] for r in w["requests"])
         # each total is rounded from the program's loads on its own: together they may miss by one
         assert abs(reachable["best_loaded_tokens"] + reachable["best_recomputed_tokens"] - stored) <= 1
+
+
+def test_a_round_shares_pages_exactly_when_two_prompts_begin_with_the_same_page():
+    from hicache_storage.benchmarks.multiturn.runner import _share_pages
+
+    assert not _share_pages([(1, 2), (1, 3), (2, 2)])
+    assert _share_pages([(1, 2), (4, 4), (1, 2)])
+    assert not _share_pages([])
