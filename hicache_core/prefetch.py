@@ -417,8 +417,11 @@ class Prefetcher:
         :meth:`~hicache_storage.cost.CostModel.keep_waiting`)."""
         done = op.completed_pages
         left = op.hit_pages - done
-        pace = (time.monotonic() - started) / done if done else None
-        return self.cost.keep_waiting(op.request_id, left, page_bytes=self.host.page_bytes, page_tokens=self.page_size, seconds_per_page=pace)
+        waited = time.monotonic() - started
+        pace = waited / done if done else None
+        return self.cost.keep_waiting(
+            op.request_id, left, page_bytes=self.host.page_bytes, page_tokens=self.page_size, seconds_per_page=pace, waited_s=waited
+        )
 
     def waited_enough(self, op: PrefetchOp) -> bool:
         """``best_effort``: whether ``op``'s request has waited its bound (this rank's clock;

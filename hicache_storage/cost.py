@@ -12,19 +12,24 @@ on each. :class:`CostModel` learns them from the calls the engine makes and plan
   weighing most. The compute rate is the engine's (given, or fit the same way from prefills).
 * **A plan per prefix** (:meth:`CostModel.pages_to_load`). A request's prefix must be read
   from the store before it starts; then, layer by layer, its copy to the device and the compute
-  of the tokens it did not load overlap (a layer computes once that layer's KV has landed). So
-  loading ``x`` of its ``stored`` pages finishes at
-  ``max(device ahead, ready(x)) + max(copy(x), compute(stored - x + new))``: ``ready(x)`` is
-  the reads queued before it, the call's latency and ``x`` pages of reading; the device work
-  ahead is what the engine must do for the requests queued before it (each the longer of its
-  copies and its compute). The plan takes the ``x`` that finishes first: every stored page when
+  of the tokens it did not load overlap (a layer computes once that layer's KV has landed). The
+  copies run on their own stream, beside the compute of the requests before it. So loading
+  ``x`` of its ``stored`` pages finishes at the later of
+  ``max(device ahead, ready(x)) + compute(stored - x + new)`` and
+  ``max(copies ahead, ready(x)) + copy(x)``: ``ready(x)`` is the reads queued before it, the
+  call's latency and ``x`` pages of reading; the device and the copies ahead are what the engine
+  must do for the requests queued before it (each copies after the copies before it, and
+  computes after the compute before it and not before its own copy has landed; charged as one
+  leg, a copy waited for the compute ahead: file at the H200 point, three runs each alternated,
+  4.65-4.67 s then, 4.50-4.65 s now). The plan takes the ``x`` that finishes first: every stored page when
   the copies and reads are cheap, none (or only the head read while the engine is busy, which
   costs nothing) when reading a page is slower than computing it, and in between as many as
   the compute of the rest hides the copy of (a store and a device copy each faster than compute,
   together slower: the fast-GPU case).
 * **When to stop waiting** (:meth:`CostModel.keep_waiting`): a read that runs slower than
   planned is abandoned for computing once the pages still to come would arrive after computing
-  them would be done.
+  them would be done (before its first pages arrive: what is left of the model's time for the
+  read, and past that time, rent or buy).
 * **Whether writes should yield** (:meth:`CostModel.store_is_slow_leg`): when loading a page
   costs more than computing it, reads are what the store's time is for (a backup helps only
   the loads of tomorrow), so an engine lets its backups wait behind reads and backs up
@@ -147,8 +152,8 @@ class LoadPlan:
     #: Seconds to read and copy one page, and to compute one (``None``: not timed yet).
     load_s_per_page: float | None
     compute_s_per_page: float | None
-    #: Seconds of device work (compute and copies) queued ahead of the request, and of reads
-    #: queued ahead of its own.
+    #: Seconds of device work (compute, not before each request's copy) queued ahead of the
+    #: request, and of reads queued ahead of its own.
     device_ahead_s: float
     reads_ahead_s: float
 
@@ -229,17 +234,27 @@ class CostModel:
             self._queue.pop(request, None)
 
     def device_ahead_s(self, request: Hashable) -> float:
-        """Seconds until the engine could start on ``request``: the accelerator's work under way
-        plus, for each request queued before it, the longer of its compute and its copies to the
-        device (they overlap layer by layer); 0 while the compute rate is unknown."""
+        """Seconds until the engine could start on ``request``: the accelerator's work under way,
+        then the requests queued before it, each computing after the one before and not before
+        its copies to the device have landed (the copies, on their own stream, one after
+        another; a request's copy and compute overlap layer by layer); 0 while the compute rate
+        is unknown."""
         return self._ahead(request)[0]
 
     def _ahead(self, request: Hashable) -> tuple[float, _Queued | None]:
         """``device_ahead_s`` and ``request``'s own queue entry (a copy; None if not queued)."""
+        device, _, own = self._queued_ahead(request)
+        return device, own
+
+    def _queued_ahead(self, request: Hashable) -> tuple[float, float, _Queued | None]:
+        """When the device's compute and its copy stream are done with the requests queued before
+        ``request`` (seconds from now), and its own queue entry. Each request ahead copies after
+        the copies before it, and computes after the compute before it and not before its copy
+        has landed (layer by layer: its compute ends no sooner than its copy)."""
         rate = self.compute_tokens_per_s
         copy = self._fresh_fit(self.copies)
         copy_s_per_byte = copy[1] if copy is not None else 0.0
-        ahead = 0.0
+        device = copies = 0.0
         own: _Queued | None = None
         with self._lock:
             for queued, entry in self._queue.items():
@@ -247,10 +262,12 @@ class CostModel:
                     own = _Queued(entry.tokens, entry.copy_bytes)
                     break
                 if rate is not None:
-                    ahead += max(entry.tokens / rate, entry.copy_bytes * copy_s_per_byte)
+                    copies += entry.copy_bytes * copy_s_per_byte
+                    device = max(device + entry.tokens / rate, copies)
         if rate is None:
-            return 0.0, own
-        return max(0.0, self.busy_for_s()) + ahead, own
+            return 0.0, 0.0, own
+        busy = max(0.0, self.busy_for_s())
+        return busy + device, copies, own
 
     # --- decisions ----------------------------------------------------------------------------
 
@@ -293,7 +310,7 @@ class CostModel:
         """
         load = self.load_s_per_page(page_bytes)
         compute = self.compute_s_per_page(page_tokens)
-        ahead, own = self._ahead(request)
+        ahead, copies_ahead, own = self._queued_ahead(request)
         read_fit = self._fresh_fit(self.reads)
         reads_ahead = 0.0 if read_fit is None else reads_ahead_bytes * read_fit[1]
 
@@ -313,14 +330,16 @@ class CostModel:
 
         def finish(pages: int) -> float:
             ready = reads_ahead + latency + pages * read if pages else 0.0
-            return max(ahead, ready) + max(host_s + pages * copy, new_s + (stored_pages - pages) * compute)
+            computed = max(ahead, ready) + new_s + (stored_pages - pages) * compute
+            copied = max(copies_ahead, ready) + host_s + pages * copy
+            return max(computed, copied)
 
-        # finish is convex and piecewise linear in the pages loaded: its least is at an end or
-        # where a piece changes, that is the last page read before the engine reaches the
-        # request (reading it costs nothing), or where the copies of the loaded pages take as
-        # long as computing the rest (past it, each page loaded lengthens the copies).
-        free = (ahead - reads_ahead - latency) / read if read > 0 else math.inf
-        balanced = (new_s + stored_pages * compute - host_s) / (copy + compute)
+        # finish is piecewise linear in the pages loaded, the larger of two pieces each: the
+        # compute of the rest starts once the device is done with the requests ahead, or once
+        # the read is, and the copy once the copy stream is, or once the read is. Its least is
+        # at an end or where two pieces meet: the last page read before the engine reaches the
+        # request (reading it costs nothing), or where the copies of the loaded pages end as the
+        # compute of the rest does (past it, each page loaded lengthens the copies).
         candidates = {0, stored_pages}
         if cuts is not None:
             # only where a load may stop: computing "the rest" from an earlier cut costs what
@@ -328,9 +347,14 @@ class CostModel:
             # compute is, for a hybrid model, every page back to the cut before)
             candidates.update(cut for cut in cuts if 0 < cut < stored_pages)
             return plan(min(candidates, key=lambda pages: (finish(pages), -pages)))
-        for point in (free, balanced):
-            if math.isfinite(point):
-                candidates.update(min(stored_pages, max(0, bound)) for bound in (math.floor(point), math.ceil(point)))
+        computing = new_s + stored_pages * compute
+        first = reads_ahead + latency  # (the read's own start, when it loads anything)
+        pieces = [(ahead + computing, -compute), (first + computing, read - compute), (copies_ahead + host_s, copy), (first + host_s, read + copy)]
+        for k, (a0, a1) in enumerate(pieces):
+            for b0, b1 in pieces[k + 1 :]:
+                if a1 != b1:
+                    point = (b0 - a0) / (a1 - b1)
+                    candidates.update(min(stored_pages, max(0, bound)) for bound in (math.floor(point), math.ceil(point)))
         # the most pages among the quickest: a tie is better spent on what is stored
         best = min(candidates, key=lambda pages: (finish(pages), -pages))
         return plan(best)
@@ -362,22 +386,39 @@ class CostModel:
         assert load is not None and compute is not None  # both timed: the store is the slow leg
         return compute / load
 
-    def keep_waiting(self, request: Hashable, pages_left: int, *, page_bytes: int, page_tokens: int, seconds_per_page: float | None) -> bool:
+    def keep_waiting(
+        self, request: Hashable, pages_left: int, *, page_bytes: int, page_tokens: int, seconds_per_page: float | None, waited_s: float = 0.0
+    ) -> bool:
         """Whether ``request`` should keep waiting for the ``pages_left`` pages still being read
         rather than compute them now: yes while they arrive (at ``seconds_per_page``, the read's
-        own pace so far, or the model's) before computing them would be done.
+        own pace so far) and are copied before computing them would be done.
+
+        Before any page has arrived (no pace: ``seconds_per_page`` None) the read has run for
+        ``waited_s`` of the model's time for them: what is left of that counts, not all of it. A
+        first batch in flight is every page of a read of one batch: counted whole, a Mooncake
+        read of 143 pages that had run 193 of its 203 ms was given up at parity (load ~ compute)
+        and all 9,152 tokens recomputed. A read running past the model's time is waited for
+        while it is late by less than computing the pages instead would take beyond copying
+        them (rent or buy: at most twice the better of the two).
 
         With :attr:`LoadPolicy.ALL`, or untimed legs, always (the stop policy decides).
         """
         if self.config.policy is LoadPolicy.ALL or pages_left <= 0:
             return self.config.policy is LoadPolicy.ALL
         compute = self.compute_s_per_page(page_tokens)
-        pace = seconds_per_page if seconds_per_page is not None else self.load_s_per_page(page_bytes)
-        if compute is None or pace is None:
+        read = self._fresh_fit(self.reads)
+        if compute is None or (seconds_per_page is None and read is None):
             return True
         copy = self._fresh_fit(self.copies)
-        per_page = pace + (page_bytes * copy[1] if copy is not None and seconds_per_page is not None else 0.0)
-        return pages_left * per_page <= self.device_ahead_s(request) + pages_left * compute
+        copying = pages_left * page_bytes * copy[1] if copy is not None else 0.0
+        computing = self.device_ahead_s(request) + pages_left * compute
+        if seconds_per_page is not None:
+            return pages_left * seconds_per_page + copying <= computing
+        assert read is not None
+        reading = pages_left * page_bytes * read[1]
+        if waited_s <= reading:
+            return reading - waited_s + copying <= computing
+        return waited_s - reading <= computing - copying
 
     @property
     def adaptive(self) -> bool:

@@ -265,6 +265,35 @@ def test_copies_queued_ahead_count_as_device_work_ahead():
     assert ahead(given(), "b") == 0.0 and ahead(model, "a") == 0.0
 
 
+def test_a_request_ahead_that_copies_while_another_computes_holds_the_device_for_neither_alone():
+    """The copy stream and the compute are separate: a request ahead that only computes (256
+    tokens, 0.25 s) and one after it that only copies (256 KiB at 1 MiB/s, 0.25 s) are done
+    together at 0.25 s, the copy beside the compute, not one after the other (0.5 s)."""
+    model = given(copy_bytes_per_s=FAST_READ)
+    model.enqueue("computes", 256)
+    model.enqueue("copies", 0, 256 * PAGE_BYTES)
+    model.enqueue("r", 0)
+    assert ahead(model, "r") == 0.25
+    # the other way round: the compute waits for its own copy to land, 0.25 s + 0.25 s
+    other = given(copy_bytes_per_s=FAST_READ)
+    other.enqueue("copies then computes", 256, 256 * PAGE_BYTES)
+    other.enqueue("r", 0)
+    assert ahead(other, "r") == 0.25, "a request's compute and its own copy overlap layer by layer"
+
+
+def test_a_request_copies_beside_the_compute_queued_ahead_of_it_and_loads_more_of_its_head():
+    """Compute ahead of the request 0.25 s; a fast store (a page read in 1/1024 s) and copies as
+    slow as the compute (1/256 s a page). The request's copy starts once its read is done, beside
+    the device's work ahead, and its compute after that work: finish(x) is the later of
+    0.25 + (101 - x)/256 and x/1024 + x/256 (one page no tier holds), least at 73 pages
+    (0.359375 s; 74 take 0.36133). Charged after the work ahead, the copies balanced the compute
+    at 51 pages (0.25 + 51/256 = 0.449 s)."""
+    model = given(read=FAST_READ, copy_bytes_per_s=PAGE_BYTES * 256.0)
+    model.enqueue("earlier", 256)
+    model.enqueue("r", (STORED + 1) * PAGE_TOKENS)
+    assert plan(model).pages == 73
+
+
 def test_load_policy_all_loads_every_stored_page_whatever_the_speeds():
     model = given(policy=LoadPolicy.ALL)
     assert plan(model).pages == STORED and plan(model).load_s_per_page == SLOW_LOAD_S_PER_PAGE
@@ -354,6 +383,20 @@ def test_keep_waiting_while_the_pages_to_come_arrive_before_computing_them_would
     assert keep_waiting(busy, 10, SLOW_LOAD_S_PER_PAGE)
     assert keep_waiting(busy, 10, None) and not keep_waiting(idle, 10, None), "no pace yet: the model's own"
     assert keep_waiting(idle, 10, 1 / 1024), "a read running fast"
+
+
+def test_a_read_with_no_page_arrived_yet_counts_only_what_is_left_of_the_models_time_for_it():
+    """A first batch in flight is every page of a one-batch read: 10 pages at the slow store's
+    1/64 s take 0.15625 s, against 10/256 = 0.0390625 s to compute them on an idle engine. Asked
+    at the start it is not worth waiting for; 0.14 s into it, 0.015625 s are left: it is."""
+    idle = given()
+    assert not keep_waiting(idle, 10, None)
+    assert not idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.1)  # 0.05625 s left
+    assert idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.14)
+    # past the model's time, late by less than computing the pages would take: still waited for
+    # (rent or buy); late by more: given up
+    assert idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.15625 + 0.03)
+    assert not idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.15625 + 0.04)
 
 
 def test_a_reads_own_pace_adds_the_copy_to_the_device():
