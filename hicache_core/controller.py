@@ -106,6 +106,18 @@ class ControllerConfig:
             raise ValueError(f"abandoned_pages_fraction must be between 0 and 1, got {self.abandoned_pages_fraction}")
 
 
+@dataclass(eq=False)
+class _IssuedLoad:
+    """A host -> device load ``load_back`` issued: the host pages of ``target``'s path from token
+    ``begin`` are protected until it is released; ``used`` once its request is done with it."""
+
+    load: LayerLoad
+    target: TreeNode
+    begin: int
+    nodes: list[TreeNode]
+    used: bool | None = None
+
+
 class CacheController:
     def __init__(
         self,
@@ -141,9 +153,8 @@ class CacheController:
         #: While the store is the slow leg, pages a write-through backup may still write: each
         #: node offered earns the share of stored pages loads take (``CostModel.load_share``).
         self._write_credit = 0.0
-        #: Host -> device loads not yet waited for: the node loaded down to, and its loaded nodes.
-        #: Loads in flight: the load, its target node, where its range starts, the nodes it fills.
-        self._loads: list[tuple[LayerLoad, TreeNode, int, list[TreeNode]]] = []
+        #: Host -> device loads issued and not released yet (``loads_done``), in the order they land.
+        self._loads: list[_IssuedLoad] = []
         #: Device -> host copies (none without a host pool).
         self.host_writer = (
             HostWriter(
@@ -274,9 +285,12 @@ class CacheController:
 
     @property
     def io_pending(self) -> bool:
-        """Whether copies or backups are in flight (their completion may make memory evictable)."""
+        """Whether copies or backups are in flight (their completion may make memory evictable):
+        among them the loads to the device whose requests are done with them (``loads_done``),
+        whose host pages ``poll`` releases once they land; not those of a start under way."""
         writer = self.host_writer
-        return (writer is not None and writer.in_flight) or (self.backup is not None and self.backup.outstanding > 0)
+        loads = any(entry.used is not None for entry in self._loads)
+        return loads or (writer is not None and writer.in_flight) or (self.backup is not None and self.backup.outstanding > 0)
 
     # --- device and host memory ---------------------------------------------------------------
 
@@ -449,22 +463,41 @@ class CacheController:
         # The lock keeps the nodes; this keeps the host pages the load reads (a locked node's host
         # copy may otherwise go once its KV is on the device: see ``_host_evictable``).
         self.tree.protect_host(target, match.device_hit_length)
-        self._loads.append((load, target, match.device_hit_length, nodes))
+        self._loads.append(_IssuedLoad(load, target, match.device_hit_length, nodes))
         return target, load
 
-    def loads_done(self, *, used: bool = True) -> None:
-        """The request the loads were for has waited for them: their host pages are free to evict
-        again, and in buffer-only mode the FULL staging they read is freed. ``used``: the request
-        computed from them, so its components' staging goes too; a request that gave up its start
-        (no memory) keeps that, as a component's state (a checkpoint) may live only there until
-        the request starts."""
-        for load, target, begin, nodes in self._loads:
-            load.wait_all()
-            self.tree.release_host(target, begin)
+    def loads_done(self, *, used: bool = True, wait: bool = True) -> None:
+        """The request the loads issued since the last call were for is done with them (it
+        started, or gave up its start): once they have landed, their host pages are free to
+        evict again, and in buffer-only mode the FULL staging they read is freed. ``used``: the
+        request computed from them, so its components' staging goes too; a request that gave up
+        its start (no memory) keeps that, as a component's state (a checkpoint) may live only
+        there until the request starts. ``wait``: wait for every load now; else each is released
+        by ``poll`` once it has landed (on every rank), and the scheduler goes on meanwhile."""
+        for entry in self._loads:
+            if entry.used is None:
+                entry.used = used
+        if wait:
+            self._release_loads(len(self._loads))
+
+    def _release_loads(self, count: int) -> None:
+        for entry in self._loads[:count]:
+            entry.load.wait_all()
+            self.tree.release_host(entry.target, entry.begin)
             if self.config.buffer_only and self.storage is not None:
-                for node in nodes:
-                    self._drop_staging(node, components=used)
-        self._loads.clear()
+                for node in entry.nodes:
+                    self._drop_staging(node, components=bool(entry.used))
+        del self._loads[:count]
+        self.completions += count
+
+    def _release_landed_loads(self) -> None:
+        """Release the loads done with (``loads_done``) that have landed on every rank, in order."""
+        landed = 0
+        for entry in self._loads:
+            if entry.used is None or not entry.load.landed():
+                break
+            landed += 1
+        self._release_loads(self.tp.scheduler.all_min(landed))
 
     # --- progress ----------------------------------------------------------------------------
 
@@ -472,6 +505,8 @@ class CacheController:
         """Apply finished device -> host copies, storage backups and prefetches left to land (counts agreed across ranks)."""
         if self.host_writer is not None:
             self.completions += self.host_writer.acknowledge()
+        if self._loads:  # (the same list on every rank: the same collectives)
+            self._release_landed_loads()
         if self.prefetcher is not None:
             self.prefetcher.land()
         backup = self.backup

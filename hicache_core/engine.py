@@ -327,11 +327,15 @@ class Engine:
         self._forward(live, new_tokens, len(request.tokens), load, prefill=True)
         if self.runner.gpu is None:  # a real forward pass on this thread: its time is the compute rate
             self.controller.cost.record_compute(len(new_tokens), time.perf_counter() - computing)
-        first_token = time.perf_counter()
-        if self.runner.gpu is not None:  # queued on the modeled GPU: the token exists when it ends
-            first_token = max(first_token, self.runner.gpu.free_at)
-        result.ttft_s = first_token - live.submitted
-        self.controller.loads_done()
+        gpu = self.runner.gpu
+        if gpu is None:
+            result.ttft_s = time.perf_counter() - live.submitted
+            self.controller.loads_done()
+        else:
+            # queued on the modeled GPU: the first token exists when the prefill ends, once its
+            # loads have landed (``_finish`` reads it); the host pages they read are released then
+            live.prefill = gpu.last_prefill
+            self.controller.loads_done(wait=False)
         return True
 
     def _resume_point(self, live: Live) -> tuple[MatchResult, TreeNode]:
@@ -383,6 +387,8 @@ class Engine:
         self._running.remove(live)
         self._prefilled.discard(id(live))
         request, result = live.request, live.result
+        if live.prefill is not None and self.runner.gpu is not None:
+            result.ttft_s = self.runner.gpu.end_of(live.prefill) - live.submitted
         assert live.own_slots is not None and live.node is not None
         if self.config.tiers is CacheTiers.OFF:
             self.device_pool.allocator.free(live.own_slots)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -247,61 +248,176 @@ class ModeledCompute:
         return ModeledGPU(self)
 
 
+@dataclass(eq=False)
+class QueuedPrefill:
+    """A prefill queued on a :class:`ModeledGPU`; ``end`` (its first token) once known."""
+
+    queued_at: float
+    layer_s: float
+    layers: int
+    load: LayerLoad | None
+    end: float | None = None
+
+
+@dataclass(eq=False)
+class _QueuedStep:
+    started: float
+
+
 class ModeledGPU:
     """One engine's modeled accelerator: the work the scheduler queued on it, and when it ends.
 
     As under SGLang's overlap scheduler, the scheduler (the CPU) does not wait for a computation
     it queued: it prepares the next request (match, allocation, loads issued) while the GPU
     computes the previous one. It waits only where it needs the GPU: before each decode step for
-    the one before (its tokens are the inputs), for a load whose layer a queued prefill reads, and
-    when the caller needs every result (``wait``). Sleeping through each prefill instead charged
-    every request's preparation (3-6 ms at the hybrid long-history shape) on top of the compute:
-    an early round of that bench took ~170 ms for 130 ms of compute, ~146 ms now.
+    the one before (its tokens are the inputs), and when the caller needs every result
+    (``wait``). Sleeping through each prefill instead charged every request's preparation (3-6 ms
+    at the hybrid long-history shape) on top of the compute: an early round of that bench took
+    ~170 ms for 130 ms of compute, ~146 ms now.
+
+    Nor does it wait for a prefill's loads: a layer computes once its load has landed, as a GPU's
+    compute stream waits on the copy stream's event, while the scheduler goes on (it issues other
+    requests' prefetches, starts them and decides when to stop waiting for reads meanwhile).
+    When each layer landed is known once it has (the load records it), so the work queued after
+    a prefill whose loads are still in flight has no end yet: it is worked out as they land
+    (``free_at``, ``queued_for`` and ``step_pending`` estimate it meanwhile, as if the rest
+    landed now). Waiting in the prefill for each layer, the scheduler of the long-history bench
+    at the H200 point sat 35-56 ms a time in one request's copy while another's prefetch waited
+    to be issued (traced); with Mooncake as L3 (a page loads in about the time it computes),
+    three runs each alternated, the runs that stored their pages took 10.7-12.5 s then,
+    9.9-10.1 s now.
+
+    Thread-safe: the cost model reads ``queued_for`` from the prefetch thread.
     """
 
     def __init__(self, compute: ModeledCompute) -> None:
         self.compute = compute
-        #: When the work queued so far ends, and the last decode step (``time.perf_counter``).
-        self.free_at = 0.0
+        #: When the work whose end is known ends, and the last decode step among it (``time.perf_counter``).
+        self._end = 0.0
         self._step_end = 0.0
+        #: Work queued after (and including) the first prefill whose loads have not all landed.
+        self._waiting: list[QueuedPrefill | _QueuedStep] = []
+        self._lock = threading.Lock()
+        #: The prefill queued last (the engine keeps its request's: its end is the first token).
+        self.last_prefill: QueuedPrefill | None = None
 
-    def prefill(self, new_tokens: int, layers: int, load: LayerLoad | None) -> float:
+    def prefill(self, new_tokens: int, layers: int, load: LayerLoad | None) -> QueuedPrefill:
         """Queue ``new_tokens``' prefill, ``layers`` equal layers after the work before it, layer
-        ``i`` not before its load has landed (layer-wise overlap); returns when it ends (its first
-        token). A load is real and lands in real time: the scheduler waits for a layer's load only
-        if it has not landed yet, and a layer that waited starts when it lands."""
-        per_layer = self.compute.prefill_seconds(new_tokens) / layers
-        end = max(time.perf_counter(), self.free_at)
-        for layer in range(layers):
-            if load is not None:
-                landed = load.ready(layer)
-                load.wait(layer)  # at once if it landed; raises if the load failed
-                if not landed:
-                    end = max(end, time.perf_counter())
-            end += per_layer
-        self.free_at = end
-        return end
+        ``i`` not before its load has landed (layer-wise overlap); returns it (its ``end``, the
+        first token, once every layer before has landed: see :meth:`end_of`)."""
+        prefill = QueuedPrefill(time.perf_counter(), self.compute.prefill_seconds(new_tokens) / layers, layers, load)
+        with self._lock:
+            self._waiting.append(prefill)
+            self._settle(block=False)
+        self.last_prefill = prefill
+        return prefill
 
     def decode_step(self, started: float) -> None:
         """Queue one decode step of the whole batch: it starts once the queued work is done and the
         scheduler's work for it began (``started``), and lasts ``decode_step_s``. The scheduler
         does not wait for it here but before its next step (:meth:`step_pending`), whose inputs
         are this step's tokens: meanwhile it admits and prepares requests."""
-        self.free_at = max(started, self.free_at) + self.compute.decode_step_s
-        self._step_end = self.free_at
+        with self._lock:
+            self._waiting.append(_QueuedStep(started))
+            self._settle(block=False)
 
     def step_pending(self) -> float:
         """Seconds until the last decode step queued ends (0 once it has): its tokens are the
-        next step's inputs, so the scheduler admits and prepares requests until then."""
-        return max(0.0, self._step_end - time.perf_counter())
+        next step's inputs, so the scheduler admits and prepares requests until then. A step
+        queued after loads still in flight is pending (estimated as if they landed now). Raises
+        if a load a queued prefill reads failed."""
+        now = time.perf_counter()
+        with self._lock:
+            self._settle(block=False)
+            if any(isinstance(work, _QueuedStep) for work in self._waiting):
+                _, step_end = self._estimate(now)
+                return max(step_end - now, 1e-6)
+            return max(0.0, self._step_end - now)
 
     def queued_for(self) -> float:
-        """Seconds until every piece of work queued so far ends (0 once it has)."""
-        return max(0.0, self.free_at - time.perf_counter())
+        """Seconds until every piece of work queued so far ends (0 once it has; loads in flight
+        counted as landing now)."""
+        now = time.perf_counter()
+        with self._lock:
+            return max(0.0, self._estimate(now)[0] - now)
+
+    @property
+    def free_at(self) -> float:
+        """When the work queued so far ends (loads in flight counted as landing now)."""
+        with self._lock:
+            return self._estimate(time.perf_counter())[0]
+
+    def end_of(self, prefill: QueuedPrefill) -> float:
+        """When ``prefill`` ends, waiting for the loads it and the work before it read."""
+        with self._lock:
+            while prefill.end is None:
+                if not self._waiting:
+                    raise ValueError("end_of: that prefill was not queued on this GPU")
+                self._settle(block=True, until=prefill)
+            return prefill.end
 
     def wait(self) -> None:
         """Until the work queued so far has ended."""
-        _sleep_until(self.free_at)
+        with self._lock:
+            self._settle(block=True)
+            end = self._end
+        _sleep_until(end)
+
+    def _settle(self, *, block: bool, until: QueuedPrefill | None = None) -> None:
+        """Work out the ends of the queued work in order, as far as its loads have landed (all
+        of it, waiting for them, with ``block``; up to ``until`` only)."""
+        while self._waiting:
+            work = self._waiting[0]
+            if isinstance(work, _QueuedStep):
+                self._end = self._step_end = max(work.started, self._end) + self.compute.decode_step_s
+            else:
+                landed = _landed(work.load, block)
+                if landed is None:
+                    return
+                work.end = self._end = _prefill_end(work, self._end, landed)
+            self._waiting.pop(0)
+            if work is until:
+                return
+
+    def _estimate(self, now: float) -> tuple[float, float]:
+        """The end of every queued piece of work and of the last decode step, the loads still in
+        flight counted as landing at ``now``."""
+        end, step_end = self._end, self._step_end
+        for work in self._waiting:
+            if isinstance(work, _QueuedStep):
+                end = step_end = max(work.started, end) + self.compute.decode_step_s
+            else:
+                landed = [_landed_at(work.load, layer, now) for layer in range(work.layers)] if work.load is not None else None
+                end = _prefill_end(work, end, landed)
+        return end, step_end
+
+
+def _landed(load: LayerLoad | None, block: bool) -> list[float] | None:
+    """When each layer of ``load`` landed (None for no load), or None while one has not yet and
+    ``block`` is off; raises if the load failed."""
+    if load is None:
+        return []
+    if not block and not load.ready(load.layers - 1):
+        return None
+    times = []
+    for layer in range(load.layers):
+        load.wait(layer)  # at once if it landed; raises if the load failed
+        times.append(load.landed_at(layer))
+    return times
+
+
+def _landed_at(load: LayerLoad, layer: int, now: float) -> float:
+    return load.landed_at(layer) if load.ready(layer) else now
+
+
+def _prefill_end(prefill: QueuedPrefill, after: float, landed: list[float] | None) -> float:
+    """Each layer computes after the one before and once its load landed."""
+    end = max(prefill.queued_at, after)
+    for layer in range(prefill.layers):
+        if landed:
+            end = max(end, landed[layer])
+        end += prefill.layer_s
+    return end
 
 
 def _sleep_until(deadline: float) -> None:

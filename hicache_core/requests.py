@@ -16,7 +16,7 @@ import torch
 
 from hicache_core.controller import ControllerConfig
 from hicache_core.hybrid.model import HybridModelConfig
-from hicache_core.model import ModelConfig, ModeledCompute
+from hicache_core.model import ModelConfig, ModeledCompute, QueuedPrefill
 from hicache_core.prefetch import PrefetchOp
 from hicache_core.radix_tree import TreeNode
 from hicache_core.sessions import SessionTicket
@@ -161,6 +161,8 @@ class Live:
     logits: list[torch.Tensor] = field(default_factory=list)
     #: What the model runner keeps for the request (a hybrid model's window slots and state).
     model_state: Any = None
+    #: Its prefill on the modeled GPU (its end is the first token: the TTFT, once known).
+    prefill: QueuedPrefill | None = None
 
     @property
     def prefix_len(self) -> int:

@@ -39,6 +39,8 @@ class LayerLoad:
         self.error: BaseException | None = None
         self._events: list[threading.Event] = [threading.Event() for _ in range(layers)]
         self._cuda_events: list[torch.cuda.Event] = []
+        #: When each layer landed (``time.perf_counter``; on CUDA, when it was first seen landed).
+        self._landed_at: list[float | None] = [None] * layers
 
     def ready(self, layer: int) -> bool:
         """Whether layer ``layer`` has landed (or failed: ``wait`` then raises)."""
@@ -57,6 +59,21 @@ class LayerLoad:
     def wait_all(self) -> None:
         for layer in range(self.layers):
             self.wait(layer)
+
+    def landed(self) -> bool:
+        """Whether every layer has landed (they land in order)."""
+        return self.ready(self.layers - 1) if self.layers else True
+
+    def landed_at(self, layer: int) -> float:
+        """When layer ``layer`` landed (call once it has: ``ready``)."""
+        stamp = self._landed_at[layer]
+        if stamp is None:
+            stamp = self._landed_at[layer] = time.perf_counter()
+        return stamp
+
+    def _land(self, layer: int) -> None:
+        self._landed_at[layer] = time.perf_counter()
+        self._events[layer].set()
 
 
 class CopyDone:
@@ -180,14 +197,15 @@ class Transfers:
             try:
                 for layer in range(layers):
                     self._load_layer(layer, device_indices, host_indices)
-                    load._events[layer].set()
+                    load._land(layer)
             except BaseException as exc:  # the waiting forward must not hang: release every layer
                 log.exception("layer-wise load failed")
                 load.error = exc
             finally:
                 load.seconds = time.perf_counter() - started
-                for event in load._events:
-                    event.set()
+                for layer, event in enumerate(load._events):
+                    if not event.is_set():
+                        load._land(layer)
                 on_done(load)
 
         self._loader.submit(job)

@@ -228,10 +228,11 @@ class _FakeClock:
 
 
 class _FakeLoad:
-    """A layer-wise load whose layer ``i`` lands at ``landed[i]`` on the fake clock."""
+    """A layer-wise load whose layer ``i`` lands at ``landed[i]`` on the fake clock (``failed``: its wait raises)."""
 
-    def __init__(self, clock: _FakeClock, landed: list[float]) -> None:
-        self.clock, self.landed, self.waited = clock, landed, []
+    def __init__(self, clock: _FakeClock, landed: list[float], failed: bool = False) -> None:
+        self.clock, self.landed, self.failed, self.waited = clock, landed, failed, []
+        self.layers = len(landed)
 
     def ready(self, layer: int) -> bool:
         return self.landed[layer] <= self.clock.now
@@ -239,41 +240,79 @@ class _FakeLoad:
     def wait(self, layer: int) -> None:
         self.waited.append(layer)
         self.clock.now = max(self.clock.now, self.landed[layer])
+        if self.failed:
+            raise RuntimeError(f"loading layer {layer} from the host pool failed")
+
+    def landed_at(self, layer: int) -> float:
+        return self.landed[layer]
 
 
-@pytest.mark.parametrize("landed", [[0.0] * 6, [0.0, 0.0, 5.0, 5.0, 5.0, 9.5], [3.0] * 6, [0.0] * 5 + [100.0]], ids=str)
-def test_a_modeled_prefill_is_queued_layer_by_layer_each_layer_after_its_load_without_the_scheduler_sleeping(monkeypatch, landed):
-    """Layer i computes from max(layer i-1 done, layer i landed); every layer is waited for in
-    order (a failed load raises there); the scheduler never sleeps for the compute, only waits for
-    loads that have not landed; the next prefill queues after it."""
+def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
     import hicache_core.model as model
 
     clock = _FakeClock()
     monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
     monkeypatch.setattr(model.time, "sleep", clock.sleep)
+    return clock
+
+
+@pytest.mark.parametrize("landed", [[0.0] * 6, [0.0, 0.0, 5.0, 5.0, 5.0, 9.5], [3.0] * 6, [0.0] * 5 + [100.0]], ids=str)
+def test_a_modeled_prefill_is_queued_layer_by_layer_each_layer_after_its_load_and_the_scheduler_waits_for_neither(monkeypatch, landed):
+    """Layer i computes from max(layer i-1 done, layer i landed); the scheduler does not wait for
+    the compute or the loads: the prefill's end is known once every layer has landed (meanwhile
+    ``free_at`` counts the layers still in flight as landing now); the next prefill queues after
+    it; waiting for every result (``wait``) waits for the loads, then the compute."""
+    clock = _fake_clock(monkeypatch)
     gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=0.0).gpu()
     load = _FakeLoad(clock, landed)
-    end = gpu.prefill(12, 6, load)  # 2 s per layer
-    expected = 0.0
+    prefill = gpu.prefill(12, 6, load)  # 2 s per layer
+    expected = estimate = 0.0
     for layer in range(6):
         expected = max(expected, landed[layer]) + 2.0
-    assert end == gpu.free_at == pytest.approx(expected)
-    assert load.waited == list(range(6))
-    assert clock.sleeps == 0 and clock.now == max(landed), "the scheduler waited only for the loads"
-    assert gpu.prefill(12, 6, None) == pytest.approx(expected + 12.0), "queued after the first"
+        estimate = max(estimate, min(landed[layer], 0.0)) + 2.0  # (not landed yet: as if now, at 0)
+    assert clock.now == 0.0 and clock.sleeps == 0, "queued, not waited for"
+    assert (prefill.end is None) == (max(landed) > 0.0)
+    assert gpu.free_at == pytest.approx(estimate)
+    second = gpu.prefill(12, 6, None)
+    assert gpu.free_at == pytest.approx(estimate + 12.0), "queued after the first"
+    assert gpu.end_of(prefill) == pytest.approx(expected) and clock.now == max(landed), "waited for the loads only"
+    assert gpu.end_of(second) == pytest.approx(expected + 12.0)
     gpu.wait()
-    assert clock.now == pytest.approx(expected + 12.0)
+    assert clock.now == pytest.approx(expected + 12.0) and gpu.queued_for() == 0.0
+
+
+def test_a_decode_step_queued_after_a_prefill_whose_loads_are_in_flight_is_pending_until_they_land(monkeypatch):
+    """The step's inputs include the prefill's first token: the scheduler learns when the step
+    ends only once the loads the prefill reads have landed (meanwhile it is pending, estimated
+    as if they landed now), and then at its exact time."""
+    clock = _fake_clock(monkeypatch)
+    gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=3.0).gpu()
+    load = _FakeLoad(clock, [10.0, 10.0])
+    gpu.prefill(2, 2, load)  # 1 s a layer, after its layers land at 10: ends at 12
+    gpu.decode_step(started=0.0)  # 12 -> 15
+    assert gpu.step_pending() == pytest.approx(5.0), "as if the loads landed now: 0 + 2 + 3"
+    clock.now = 14.0
+    assert gpu.step_pending() == pytest.approx(1.0), "landed at 10: the step ends at 15"
+    clock.now = 15.0
+    assert gpu.step_pending() == 0.0
+
+
+def test_a_prefill_whose_load_failed_raises_where_the_scheduler_next_asks_for_the_step(monkeypatch):
+    clock = _fake_clock(monkeypatch)
+    gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=0.0).gpu()
+    gpu.prefill(2, 2, _FakeLoad(clock, [5.0, 5.0], failed=True))
+    gpu.decode_step(started=0.0)
+    assert gpu.step_pending() > 0.0, "in flight"
+    clock.now = 5.0
+    with pytest.raises(RuntimeError, match="host pool failed"):
+        gpu.step_pending()
 
 
 def test_a_modeled_decode_step_is_queued_after_the_work_before_it_and_awaited_before_the_next(monkeypatch):
     """The scheduler's work for a step (admitting, bookkeeping, finishing requests) overlaps the
     GPU: a step starts when both it began and the queued work ended, and the scheduler learns
     when it ends (the next step reads its tokens) instead of sleeping through it."""
-    import hicache_core.model as model
-
-    clock = _FakeClock()
-    monkeypatch.setattr(model.time, "perf_counter", lambda: clock.now)
-    monkeypatch.setattr(model.time, "sleep", clock.sleep)
+    clock = _fake_clock(monkeypatch)
     gpu = ModeledCompute(prefill_tokens_per_s=1.0, decode_step_s=3.0).gpu()
     clock.now = 10.0
     gpu.decode_step(started=9.0)  # its bookkeeping began a second ago
@@ -288,3 +327,51 @@ def test_a_modeled_decode_step_is_queued_after_the_work_before_it_and_awaited_be
     gpu.decode_step(started=20.0)  # the scheduler was late: the step starts when it began
     gpu.wait()
     assert clock.now == pytest.approx(23.0)
+
+
+def test_the_scheduler_goes_on_while_a_requests_copy_to_the_device_is_in_flight():
+    """Under modeled compute a request's prefill waits for its copy on the modeled GPU, not on
+    the scheduler: while one request's copy from host memory is held up, the next request is
+    matched and started (its prefill queued behind). The host pages the copy reads stay
+    protected until it has landed; the first token of the request comes after that."""
+    import threading
+    import time
+
+    cfg = config(MHA, CacheTiers.L1_L2, compute=ModeledCompute(prefill_tokens_per_s=1e6, decode_step_s=1e-4))
+    first, other = CONVERSATIONS[0][0], CONVERSATIONS[1][0]
+    again = first + CONVERSATIONS[0][1]
+    with Engine(cfg) as engine:
+        engine.serve([Request("first", first, NEW_TOKENS)])
+        engine.drain()
+        engine.tree.evict_device(1 << 62, None)  # its pages are on the host only now
+        transfers = engine.controller.transfers
+        assert transfers is not None
+        gate, original = threading.Event(), transfers._load_layer
+
+        def held_up(layer, device_indices, host_indices):
+            gate.wait(timeout=20)
+            original(layer, device_indices, host_indices)
+
+        transfers._load_layer = held_up
+        try:
+            started, submitted = time.monotonic(), time.perf_counter()
+            before = engine.metrics.snapshot()["prompt_tokens"]
+            engine.submit(Request("again", again, NEW_TOKENS))
+            engine.submit(Request("other", other, NEW_TOKENS))
+            while engine.metrics.snapshot()["prompt_tokens"] - before < len(again) + len(other) and time.monotonic() - started < 15:
+                engine.step()
+            assert engine.metrics.snapshot()["prompt_tokens"] - before == len(again) + len(other), "both started"
+            assert not gate.is_set() and time.monotonic() - started < 15, "while the copy was held up"
+            assert engine.metrics.snapshot()["host_hit_tokens"] > 0 and engine.controller.io_pending, "its host pages still protected"
+            opened = time.perf_counter()
+            gate.set()
+            while engine.has_work():
+                engine.step()
+            results = {r.rid: r for r in engine.take_results()}
+        finally:
+            gate.set()
+            transfers._load_layer = original
+        assert results["again"].cached_host > 0
+        assert submitted + results["again"].ttft_s >= opened, "its first token came after the copy landed"
+        engine.drain()
+        assert not engine.controller.io_pending, "released once landed"
