@@ -44,9 +44,9 @@ it is held to that slow load. This bound fixes both, round by round:
     requests): requests that L1 cannot hold at once, or more than ``max_running`` of them, do
     not all run at once: one ends before another begins (``_overlap_limits``). As token-seconds
     alone, L1 let a request copy its prefix beside the decode steps of the requests that held
-    the memory it needed: the long-history bench's late rounds at the H200 point, four contexts
-    of 11,000-15,000 tokens in 32,768, were held to 171-190 ms where the two waves they run in
-    take no less than 205-215 ms.
+    the memory it needed: in the long-history bench's file run at the H200 point (grid at
+    eb5e8b3) rounds 20-23, whose four contexts of 10,000-13,000 tokens fill the 32,768-token L1
+    in two waves, were held to 124-177 ms and now to 135-190 ms.
 
   Requests that share pages (a common prefix, held once) are held to neither L1 term.
 
