@@ -287,16 +287,16 @@ def _overlap_limits(requests: Sequence[RequestWork], shape: Shape) -> list[froze
     """Which holdings cannot all overlap in time, each as the ordered pairs ``(i, j)`` ("request
     ``i`` ends before ``j`` begins") of which at least one must hold.
 
-    A request holds, from when it begins on the device to its last decode step, its whole
-    context (``F_i``) and a running slot; the prefix it found on the device it holds from the
-    round's start (``R_i``, part of its context). Holdings are intervals of time, and intervals
-    of which every two overlap share a point (Helly's theorem in one dimension): so a set of
-    them whose tokens exceed L1, or ``max_running`` + 1 requests' slots, must contain two that do
-    not overlap. ``F_i`` and ``F_j`` do not when either ends before the other begins; ``R_i``
+    A request holds a running slot and the rest of its context (``F_i``: all but the prefix it
+    found on the device) from when it begins on the device to its last decode step, and that
+    prefix (``R_i``) from the round's start to the same end. Holdings are intervals of time,
+    and intervals of which every two overlap share a point (Helly's theorem in one dimension):
+    so a set of them whose tokens exceed L1, or ``max_running`` + 1 requests' slots, must
+    contain two that do not overlap. ``F_i`` and ``F_j`` do not when either ends before the other begins; ``R_i``
     and ``F_j`` only when ``i`` ends before ``j`` begins (``R_i`` is held from the start); two
     ``R``s always overlap. Only minimal sets are listed (any larger one contains one)."""
     n = len(requests)
-    # (request, whole context or only its prefix found on the device, tokens)
+    # (request, "F" the rest of its context or "R" the prefix it found on the device, tokens)
     items = [(i, "F", r.context - r.from_device) for i, r in enumerate(requests)]
     items += [(i, "R", r.from_device) for i, r in enumerate(requests) if r.from_device > 0]
     limits: set[frozenset[tuple[int, int]]] = set()
