@@ -21,11 +21,11 @@ on each. :class:`CostModel` learns them from the calls the engine makes and plan
   must do for the requests queued before it (each copies after the copies before it, and
   computes after the compute before it and not before its own copy has landed; charged as one
   leg, a copy waited for the compute ahead: file at the H200 point, three runs each alternated,
-  4.65-4.67 s then, 4.50-4.65 s now). The plan takes the ``x`` that finishes first: every stored page when
-  the copies and reads are cheap, none (or only the head read while the engine is busy, which
-  costs nothing) when reading a page is slower than computing it, and in between as many as
-  the compute of the rest hides the copy of (a store and a device copy each faster than compute,
-  together slower: the fast-GPU case).
+  4.65-4.67 s then, 4.50-4.65 s now). The plan takes the ``x`` that finishes first: every
+  stored page when the copies and reads are cheap, none (or only the head read while the
+  engine is busy, which costs nothing) when reading a page is slower than computing it, and in
+  between as many as the compute of the rest hides the copy of (a store and a device copy each
+  faster than compute, together slower: the fast-GPU case).
 * **When to stop waiting** (:meth:`CostModel.keep_waiting`): a read that runs slower than
   planned is abandoned for computing once the pages still to come would arrive after computing
   them would be done (before its first pages arrive: what is left of the model's time for the
@@ -349,7 +349,12 @@ class CostModel:
             return plan(min(candidates, key=lambda pages: (finish(pages), -pages)))
         computing = new_s + stored_pages * compute
         first = reads_ahead + latency  # (the read's own start, when it loads anything)
-        pieces = [(ahead + computing, -compute), (first + computing, read - compute), (copies_ahead + host_s, copy), (first + host_s, read + copy)]
+        pieces = [
+            (ahead + computing, -compute),
+            (first + computing, read - compute),
+            (copies_ahead + host_s, copy),
+            (first + host_s, read + copy),
+        ]
         for k, (a0, a1) in enumerate(pieces):
             for b0, b1 in pieces[k + 1 :]:
                 if a1 != b1:
@@ -387,7 +392,14 @@ class CostModel:
         return compute / load
 
     def keep_waiting(
-        self, request: Hashable, pages_left: int, *, page_bytes: int, page_tokens: int, seconds_per_page: float | None, waited_s: float = 0.0
+        self,
+        request: Hashable,
+        pages_left: int,
+        *,
+        page_bytes: int,
+        page_tokens: int,
+        seconds_per_page: float | None,
+        waited_s: float = 0.0,
     ) -> bool:
         """Whether ``request`` should keep waiting for the ``pages_left`` pages still being read
         rather than compute them now: yes while they arrive (at ``seconds_per_page``, the read's

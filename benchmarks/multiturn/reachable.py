@@ -257,7 +257,8 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     # request i ends (its device time and decode tail) before j begins; then of every set of
     # holdings that cannot all be held at once, at least one pair does not overlap
     for (i, j), k in order.items():
-        row(d=one(i, 1.0), s=[1.0 if m == i else -1.0 if m == j else 0.0 for m in range(n)], o=program.one(k, big, len(pairs)), rhs=big - tail)
+        begins = [1.0 if m == i else -1.0 if m == j else 0.0 for m in range(n)]  # s_i - s_j
+        row(d=one(i, 1.0), s=begins, o=program.one(k, big, len(pairs)), rhs=big - tail)
         if (j, i) in order and i < j:
             row(o=[1.0 if m in (k, order[(j, i)]) else 0.0 for m in range(len(pairs))], rhs=1.0)
     for limit in intervals:

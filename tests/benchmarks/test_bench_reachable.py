@@ -303,7 +303,8 @@ def one_after_another(work: RoundWork, legs: Legs, shape: Shape, loads: list[flo
     copy = shape.token_bytes / legs.load
     compute = 1.0 / legs.prefill_tokens_per_s
     tail = max(shape.output_tokens - 1, 0) * legs.decode_step_s
-    moved = work.storage_written / legs.storage_write + work.side_read / legs.storage_read + work.backed_up / legs.backup + work.side_loaded / legs.load
+    moved = work.storage_written / legs.storage_write + work.side_read / legs.storage_read
+    moved += work.backed_up / legs.backup + work.side_loaded / legs.load
     return moved + sum(
         x * read + max((r.from_host + x) * copy, (r.computed + r.from_storage - x) * compute) + tail for r, x in zip(work.requests, loads)
     )

@@ -390,13 +390,17 @@ def test_a_read_with_no_page_arrived_yet_counts_only_what_is_left_of_the_models_
     1/64 s take 0.15625 s, against 10/256 = 0.0390625 s to compute them on an idle engine. Asked
     at the start it is not worth waiting for; 0.14 s into it, 0.015625 s are left: it is."""
     idle = given()
-    assert not keep_waiting(idle, 10, None)
-    assert not idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.1)  # 0.05625 s left
-    assert idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.14)
+
+    def after(waited_s: float) -> bool:
+        return idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=waited_s)
+
+    assert not keep_waiting(idle, 10, None) and not after(0.0)
+    assert not after(0.1), "0.05625 s left"
+    assert after(0.14)
     # past the model's time, late by less than computing the pages would take: still waited for
     # (rent or buy); late by more: given up
-    assert idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.15625 + 0.03)
-    assert not idle.keep_waiting("r", 10, page_bytes=PAGE_BYTES, page_tokens=PAGE_TOKENS, seconds_per_page=None, waited_s=0.15625 + 0.04)
+    assert after(0.15625 + 0.03)
+    assert not after(0.15625 + 0.04)
 
 
 def test_a_reads_own_pace_adds_the_copy_to_the_device():
