@@ -393,8 +393,8 @@ class ModeledGPU:
 
 
 def _landed(load: LayerLoad | None, block: bool) -> list[float] | None:
-    """When each layer of ``load`` landed (None for no load), or None while one has not yet and
-    ``block`` is off; raises if the load failed."""
+    """When each layer of ``load`` landed (none for no load), or None while one has not landed
+    yet and ``block`` is off; raises if the load failed."""
     if load is None:
         return []
     if not block and not load.ready(load.layers - 1):
