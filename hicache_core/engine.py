@@ -387,7 +387,8 @@ class Engine:
         self._running.remove(live)
         self._prefilled.discard(id(live))
         request, result = live.request, live.result
-        if live.prefill is not None and self.runner.gpu is not None:
+        if live.prefill is not None:  # (recorded only under a modeled GPU)
+            assert self.runner.gpu is not None
             result.ttft_s = self.runner.gpu.end_of(live.prefill) - live.submitted
         assert live.own_slots is not None and live.node is not None
         if self.config.tiers is CacheTiers.OFF:

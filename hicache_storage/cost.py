@@ -239,12 +239,7 @@ class CostModel:
         its copies to the device have landed (the copies, on their own stream, one after
         another; a request's copy and compute overlap layer by layer); 0 while the compute rate
         is unknown."""
-        return self._ahead(request)[0]
-
-    def _ahead(self, request: Hashable) -> tuple[float, _Queued | None]:
-        """``device_ahead_s`` and ``request``'s own queue entry (a copy; None if not queued)."""
-        device, _, own = self._queued_ahead(request)
-        return device, own
+        return self._queued_ahead(request)[0]
 
     def _queued_ahead(self, request: Hashable) -> tuple[float, float, _Queued | None]:
         """When the device's compute and its copy stream are done with the requests queued before
