@@ -89,7 +89,7 @@ class OverlapMeter:
 
     A call occupies channels (such as ``("write", key)``) while it runs and watches one; it
     overlapped if another call occupied that channel when it began or began on it before it
-    ended. Thread-safe. ``reached`` says whether ``target`` overlaps were seen or ``budget_s``
+    ended. Thread-safe. ``done`` says whether ``target`` overlaps were seen or ``budget_s``
     has passed since the meter was made.
     """
 
