@@ -332,11 +332,14 @@ class ConcurrencyClauses(Clauses):
                         assert may_miss, "a page this thread had just stored read as a miss (a lost update?)"
                     else:
                         check_page(value, key, versions=(round_,))
-                checked += keys
-                if deletes and (len(checked) >= self.concurrent_delete_pages or meter.done()):
-                    store.delete(checked)
-                    checked.clear()
+                if deletes:
+                    checked += keys
+                    if len(checked) >= self.concurrent_delete_pages:
+                        store.delete(checked)
+                        checked.clear()
                 round_ += 1
+            if checked:
+                store.delete(checked)
 
         problems = run_threads((len(seeds), worker), stop=meter.stopped)
         report(problems or meter.shortfall("puts overlapping another put"))
