@@ -134,6 +134,22 @@ def test_legs_measured_twice_keep_the_faster_of_each_speed():
     assert no_store.fastest(after).storage_write == 0.6e9 and no_store.fastest(no_store).storage_read is None
 
 
+def test_a_store_speed_a_run_reached_counts_as_measured():
+    """A run's own backups and prefetches show speeds the store allows: a timing slower than them
+    (one batch on a disk still writing back) must not hold the bound above what the run did."""
+    from hicache_storage.benchmarks.multiturn.bound import Legs
+
+    timed = Legs(storage_write=0.3e9, storage_read=4.0e9, backup=3e9, load=1e9, prefill_tokens_per_s=1e4, decode_step_s=0.01)
+    run = {"storage_backup_bytes": 1.0e9, "storage_backup_seconds": 2.0, "prefetch_bytes": 3.0e9, "prefetch_seconds": 2.0}
+    reached = timed.reached_by(run)
+    assert (reached.storage_write, reached.storage_read) == (0.5e9, 4.0e9), "the faster of each: the run's write, the timed read"
+    assert (reached.backup, reached.load, reached.prefill_tokens_per_s) == (3e9, 1e9, 1e4)
+    l1_only = {"storage_backup_bytes": 0, "storage_backup_seconds": 0.0, "prefetch_bytes": 0, "prefetch_seconds": 0.0}
+    assert timed.reached_by(l1_only) == timed
+    no_store = Legs(storage_write=None, storage_read=None, backup=1e9, load=1e9, prefill_tokens_per_s=None, decode_step_s=None)
+    assert no_store.reached_by(l1_only) == no_store
+
+
 def test_the_store_is_timed_where_it_refuses_to_delete_pages_just_read(monkeypatch, caplog):
     """A store with read leases refuses a delete until the lease a read took expires (Mooncake's
     own master holds one 10 s, longer than the store's call timeout), and timing the store's legs
