@@ -169,10 +169,15 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
         return 0.0, []
     assert legs.prefill_tokens_per_s is not None and legs.decode_step_s is not None
     n = len(requests)
-    read_s = shape.token_bytes / _speed(legs.storage_read)  # seconds per token read from the store
-    copy_s = shape.token_bytes / legs.load  # seconds per token copied host -> device
-    compute_s = 1.0 / legs.prefill_tokens_per_s
-    step = legs.decode_step_s
+    # The program counts time in microseconds (``_s`` below: per token, in those units): HiGHS
+    # holds a mixed-integer solution's rows to 1e-6 (its mip_feasibility_tolerance, which scipy's
+    # milp does not expose). Counted in seconds, a millisecond round's bound fell 1e-6 s (0.07%)
+    # below the chain of its own best loads.
+    unit = 1e6
+    read_s = shape.token_bytes / _speed(legs.storage_read) * unit  # per token read from the store
+    copy_s = shape.token_bytes / legs.load * unit  # per token copied host -> device
+    compute_s = unit / legs.prefill_tokens_per_s
+    step = legs.decode_step_s * unit
     steps = max(shape.output_tokens - 1, 0)
     tail = steps * step
     # the modeled GPU runs prefills and decode steps one after another, and a request's steps are
@@ -204,10 +209,10 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     gpu = sum(computed) * compute_s + decodes
     row(x=[-compute_s] * n, T=[-1.0], rhs=-gpu)
     # the store alone: the round's reads, and the writes the run made during it
-    fixed_store = work.storage_written / _speed(legs.storage_write) + work.side_read / _speed(legs.storage_read)
+    fixed_store = (work.storage_written / _speed(legs.storage_write) + work.side_read / _speed(legs.storage_read)) * unit
     row(x=[read_s] * n, T=[-1.0], rhs=-fixed_store)
     # the copies alone: loads to the device, and the run's backups during the round
-    fixed_copies = sum(host) * copy_s + work.backed_up / legs.backup + work.side_loaded / legs.load
+    fixed_copies = sum(host) * copy_s + (work.backed_up / legs.backup + work.side_loaded / legs.load) * unit
     row(x=[copy_s] * n, T=[-1.0], rhs=-fixed_copies)
     # the machine: the store and the copies overlap only as much as they were measured to
     row(x=[read_s + copy_s] * n, T=[-legs.overlap], rhs=-(fixed_store + fixed_copies))
@@ -275,7 +280,7 @@ def _round_bound(work: RoundWork, legs: Legs, shape: Shape) -> tuple[float, list
     )
     if not result.success:
         raise RuntimeError(f"the reachable bound's program for a round found no solution: {result.message}")
-    return float(result.x[program.start["T"]]), [float(v) for v in result.x[:n]]
+    return float(result.x[program.start["T"]]) / unit, [float(v) for v in result.x[:n]]
 
 
 #: Rounds of at most this many requests are held to L1 and the running slots one request at a

@@ -353,9 +353,16 @@ def rounds(draw: st.DrawFn) -> tuple[RoundWork, Legs, Shape]:
     return work, drawn_legs, shape
 
 
+#: How close the program's optimum comes to the best schedule: HiGHS maps an incumbent found
+#: on its presolved problem back to the original one and re-solves that (an LP), which left one
+#: drawn round's bound 3.7e-6 of itself above a schedule the test could write down. (Counted in
+#: seconds rather than microseconds, its rows held only to 1e-6 s, 0.07% of a millisecond round.)
+SOLVER_RELATIVE = 1e-5
+
+
 def close_enough_under(value: float, limit: float) -> bool:
     """``value <= limit`` up to the solver's tolerance."""
-    return value <= limit * (1 + 1e-6) + 1e-7
+    return value <= limit * (1 + SOLVER_RELATIVE) + 1e-7
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -389,7 +396,7 @@ def test_the_bound_is_no_more_than_any_choice_and_no_less_than_every_leg_at_its_
         assert close_enough_under(seconds, bound), f"{leg}: {seconds} s over the bound {bound} s"
     if at_once:
         # and the bound is the schedule at those loads: the program leaves no slack above its legs
-        assert bound == pytest.approx(max(at_best.values()), rel=1e-6, abs=1e-7)
+        assert bound == pytest.approx(max(at_best.values()), rel=SOLVER_RELATIVE, abs=1e-7)
 
 
 # L1 and the running slots, one request at a time: a request holds its whole context and a slot
