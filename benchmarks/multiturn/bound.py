@@ -87,7 +87,6 @@ class Legs:
             overlap=max(self.overlap, other.overlap),
         )
 
-
     def reached_by(self, metrics: dict[str, float]) -> Legs:
         """Each store speed the faster of this measurement and what a run reached (``metrics``:
         its engine's counters): the bytes its storage backups wrote over the seconds those
@@ -95,8 +94,8 @@ class Legs:
         holds more than its calls (an exists lookup, a backup's rest while reads are pending, a
         read's wait for pinned pages), so these speeds are never above the store's, and a run
         that reached one shows the store allows it. The timings alone read a file store's writes
-        at 0.30-0.52 GB/s in the recurrent long-history runs whose backups wrote at 0.46-0.72:
-        bounds above the wall time (efficiency 1.34) or short of it by as much."""
+        at 0.30-0.52 GB/s in the recurrent long-history runs whose backups wrote at 0.46-0.72,
+        and one such run's bound stood above its wall time (efficiency 1.34)."""
 
         def rate(done: float, seconds: float) -> float | None:
             return done / seconds if done > 0 and seconds > 0 else None
