@@ -397,7 +397,7 @@ def _landed(load: LayerLoad | None, block: bool) -> list[float] | None:
     yet and ``block`` is off; raises if the load failed."""
     if load is None:
         return []
-    if not block and not load.ready(load.layers - 1):
+    if not block and not load.landed():
         return None
     times = []
     for layer in range(load.layers):

@@ -231,20 +231,23 @@ class _FakeLoad:
     """A layer-wise load whose layer ``i`` lands at ``landed[i]`` on the fake clock (``failed``: its wait raises)."""
 
     def __init__(self, clock: _FakeClock, landed: list[float], failed: bool = False) -> None:
-        self.clock, self.landed, self.failed, self.waited = clock, landed, failed, []
+        self.clock, self.times, self.failed, self.waited = clock, landed, failed, []
         self.layers = len(landed)
 
     def ready(self, layer: int) -> bool:
-        return self.landed[layer] <= self.clock.now
+        return self.times[layer] <= self.clock.now
 
     def wait(self, layer: int) -> None:
         self.waited.append(layer)
-        self.clock.now = max(self.clock.now, self.landed[layer])
+        self.clock.now = max(self.clock.now, self.times[layer])
         if self.failed:
             raise RuntimeError(f"loading layer {layer} from the host pool failed")
 
     def landed_at(self, layer: int) -> float:
-        return self.landed[layer]
+        return self.times[layer]
+
+    def landed(self) -> bool:
+        return self.ready(self.layers - 1)
 
 
 def _fake_clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
