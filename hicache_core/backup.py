@@ -30,7 +30,7 @@ from hicache_storage.cost import CostModel
 from hicache_storage.multipool import MultiPoolStore
 
 from hicache_core.metrics import CacheMetrics
-from hicache_core.op_thread import OpThread
+from hicache_core.op_thread import OpThread, Wakeup
 from hicache_core.pin_cap import PinCap, private_copy
 from hicache_core.page_sets import PageSet
 from hicache_core.pools import PageAllocator
@@ -77,6 +77,7 @@ class StorageBackup:
         cost: CostModel,
         page_tokens: int,
         reads_pending: Callable[[], bool],
+        wakeup: Wakeup | None = None,
     ) -> None:
         self.metrics = metrics
         self.batch_pages = batch_pages
@@ -94,7 +95,7 @@ class StorageBackup:
         self._probe_buffers: list[Any] = []
         #: The allocators whose pages submitted ops pin: ``_rest`` ends while one has an alloc waiting.
         self._allocators: list[PageAllocator] = []
-        self._thread: OpThread[BackupOp] = OpThread("hicache-backup")
+        self._thread: OpThread[BackupOp] = OpThread("hicache-backup", wakeup)
         self._acks: queue.SimpleQueue[BackupOp] = queue.SimpleQueue()
 
     def start(self, store: MultiPoolStore, health: StorageHealth, *, writer: bool) -> None:

@@ -60,6 +60,7 @@ from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNo
 from hicache_core.side_pools import PoolPages, backup_pages, tiered, unsaved_state
 from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
+from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad, Transfers
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class CacheController:
         metrics: CacheMetrics | None = None,
         tp: TPContext | None = None,
         compute_tokens_per_s: float | None = None,
+        wakeup: Wakeup | None = None,
     ) -> None:
         self.config = config
         self.tree = tree
@@ -140,7 +142,9 @@ class CacheController:
         #: The speeds of the store, the copies and the compute, and the compute queued: what a
         #: prefetch loads and when backups yield (the engine reports its compute to it).
         self.cost = CostModel(config.cost, compute_tokens_per_s=compute_tokens_per_s)
-        self.transfers = Transfers(device, host, config.kernel_backend) if host is not None else None
+        #: Notified when a copy, load, prefetch or backup ends: the scheduler waits on it (``Engine.step``).
+        self.wakeup = wakeup or Wakeup()
+        self.transfers = Transfers(device, host, config.kernel_backend, self.wakeup) if host is not None else None
         self.storage: Store | None = None
         self.scope: KeyScope | None = None
         #: Components whose state moves with the FULL KV (none for a FULL-only model).
@@ -187,6 +191,7 @@ class CacheController:
                 batch_pages=config.batch_pages,
                 pin_cap=self.pin_cap,
                 cost=self.cost,
+                wakeup=self.wakeup,
             )
             if host is not None and self.pin_cap is not None
             else None
@@ -201,6 +206,7 @@ class CacheController:
                 cost=self.cost,
                 page_tokens=self.page_size,
                 reads_pending=self.prefetcher.reads_pending,
+                wakeup=self.wakeup,
             )
             if self.prefetcher
             else None

@@ -47,6 +47,7 @@ from hicache_storage.store import Store
 from hicache_core.admission import Admission
 from hicache_core.controller import CacheController
 from hicache_core.metrics import CacheMetrics
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.radix_tree import RadixTree
 from hicache_core.requests import CacheTiers, EngineCapacityError, EngineConfig, HybridPools, Live, Request, RequestResult
@@ -58,8 +59,10 @@ from hicache_core.transfer import LayerLoad
 from hicache_core.tree_node import MatchResult, TreeNode
 
 #: How long before the modeled device runs out of queued work the scheduler queues the next
-#: decode step while requests wait to start (its loop sleeps at most 0.5 ms between checks).
+#: decode step while requests wait to start.
 DECODE_LEAD_S = 0.001
+#: The longest the scheduler waits between steps without being notified (see ``Wakeup``).
+WAIT_LONGEST_S = 0.002
 
 
 class Engine:
@@ -85,11 +88,14 @@ class Engine:
                 device_pool=self.device_pool,
             )
         self.metrics = CacheMetrics()
+        #: What the scheduler waits on between steps: notified as copies, loads, prefetches and
+        #: backups end (the controller's, and the components' copies).
+        self.wakeup = Wakeup()
         self.tree = RadixTree(
             config.page_size,
             free_device=self.device_pool.allocator.free,
             free_host=self.host_pool.allocator.free if self.host_pool else None,
-            components=self.runner.build(self.device_pool, self.host_pool),
+            components=self.runner.build(self.device_pool, self.host_pool, self.wakeup),
         )
         self.runner.attach(self.tree)
         self.controller = CacheController(
@@ -100,6 +106,7 @@ class Engine:
             metrics=self.metrics,
             tp=self.tp,
             compute_tokens_per_s=config.compute.prefill_tokens_per_s if config.compute is not None else None,
+            wakeup=self.wakeup,
         )
         gpu = self.runner.gpu
         if gpu is not None:  # the work queued on the modeled GPU is compute ahead of any new request
@@ -198,7 +205,7 @@ class Engine:
             # Ranks agree, so that they decode the same steps.
             if self.tp.scheduler.all_max(int(pending > 0)):
                 if not admitted:
-                    time.sleep(min(max(pending, 0.0001), 0.0005))
+                    self.wakeup.wait(min(max(pending, 0.0001), WAIT_LONGEST_S))
                 return
         decoded = False
         step_started = time.perf_counter()
@@ -216,7 +223,7 @@ class Engine:
         if gpu is not None and not self.has_work():
             gpu.wait()  # the last results exist once the modeled GPU has computed them
         elif not (admitted or decoded):
-            time.sleep(0.0005)
+            self.wakeup.wait(WAIT_LONGEST_S)
 
     def drain(self) -> None:
         """Wait until every device -> host copy and storage backup in flight has completed.

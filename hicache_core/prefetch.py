@@ -59,7 +59,7 @@ from hicache_storage.multipool import MultiPoolStore
 from hicache_storage.store import Store
 
 from hicache_core.metrics import CacheMetrics
-from hicache_core.op_thread import OpThread
+from hicache_core.op_thread import OpThread, Wakeup
 from hicache_core.pin_cap import PinCap, copy_back, private_copy
 from hicache_core.pools import HostPool
 from hicache_core.radix_tree import MatchResult, RadixTree
@@ -174,6 +174,7 @@ class Prefetcher:
         batch_pages: int,
         pin_cap: PinCap,
         cost: CostModel,
+        wakeup: Wakeup | None = None,
     ) -> None:
         self.config = config
         self.tree = tree
@@ -196,8 +197,10 @@ class Prefetcher:
         #: Two threads, so that a request whose pages the store lacks learns it at once instead of
         #: after every read queued before it: one asks the store what it holds (and revokes ops
         #: below the threshold), in issue order; the other reads, op after op.
-        self._query_thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch-query")
-        self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch")
+        self._query_thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch-query", wakeup)
+        self._thread: OpThread[PrefetchOp] = OpThread("hicache-prefetch", wakeup)
+        #: Told of each batch read too: a request may stop waiting once some of its pages are in.
+        self.wakeup = wakeup
         #: Pages whose read failed although the store reported them; the backup rewrites them.
         self.suspects = PageSet()
         #: Pages this engine stored or read: known to be in the store without asking it (what a
@@ -746,6 +749,8 @@ class Prefetcher:
                 op.completed_pages += got
                 self._reads_left(op, want)
                 op.first_batch.set()
+                if self.wakeup is not None:
+                    self.wakeup.notify()
                 self.metrics.add(prefetch_pages=got, prefetch_bytes=got * self.host.page_bytes)
                 if results is None or got < len(results):
                     self.metrics.add(prefetch_failed_batches=1)

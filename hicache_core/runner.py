@@ -27,6 +27,7 @@ from hicache_core.model import ModelConfig, ModeledCompute, ModeledGPU, TinyDeco
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import Component, RadixTree, TreeNode
 from hicache_core.requests import EngineConfig, Live, Request
+from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad
 
 
@@ -40,8 +41,9 @@ class ModelRunner(Protocol):
     #: on it and reads when a prefill's first token exists); None for a real forward pass.
     gpu: ModeledGPU | None
 
-    def build(self, device: DevicePool, host: HostPool | None) -> tuple[Component, ...]:
-        """Create the model and its components (their memory beside the engine's pools); once."""
+    def build(self, device: DevicePool, host: HostPool | None, wakeup: Wakeup | None = None) -> tuple[Component, ...]:
+        """Create the model and its components (their memory beside the engine's pools, their
+        copies notifying ``wakeup`` as they end); once."""
 
     def attach(self, tree: RadixTree) -> None:
         """Serve on ``tree``, which was made with the components ``build`` returned."""
@@ -86,7 +88,7 @@ class DenseRunner:
         self.model: TinyDecoder | None = None
         self.kv: torch.Tensor | None = None
 
-    def build(self, device: DevicePool, host: HostPool | None) -> tuple[Component, ...]:
+    def build(self, device: DevicePool, host: HostPool | None, wakeup: Wakeup | None = None) -> tuple[Component, ...]:
         self.kv = device.kv
         if self.compute is None:
             self.model = TinyDecoder(self.model_config, device.device)

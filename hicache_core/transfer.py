@@ -23,6 +23,7 @@ import torch
 
 from hicache_storage import kernels
 
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,12 @@ class CopyDone:
 
 
 class SerialWorker:
-    """One daemon thread running submitted jobs in order (started on first use)."""
+    """One daemon thread running submitted jobs in order (started on first use), notifying
+    ``wakeup`` after each."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, wakeup: Wakeup | None = None) -> None:
         self.name = name
+        self.wakeup = wakeup
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -116,6 +119,8 @@ class SerialWorker:
             if job is None:
                 return
             job()
+            if self.wakeup is not None:
+                self.wakeup.notify()
 
     def run(self, copy: Callable[[], object]) -> CopyDone:
         """Run ``copy`` on the thread; its completion (an error it raised is kept, never lost)."""
@@ -143,17 +148,18 @@ class SerialWorker:
 
 
 class Transfers:
-    """Runs the kernels between one device pool and one host pool."""
+    """Runs the kernels between one device pool and one host pool; on the CPU, each copy that
+    ends notifies ``wakeup``."""
 
-    def __init__(self, device: DevicePool, host: HostPool, kernel_backend: str | None = None) -> None:
+    def __init__(self, device: DevicePool, host: HostPool, kernel_backend: str | None = None, wakeup: Wakeup | None = None) -> None:
         self.device = device
         self.host = host
         self.kernel_backend = kernel_backend
         self.cuda = device.kv.is_cuda
         self._load_stream = torch.cuda.Stream(device.device) if self.cuda else None
         self._write_stream = torch.cuda.Stream(device.device) if self.cuda else None
-        self._loader = SerialWorker("hicache-load")
-        self._copier = SerialWorker("hicache-backup-copy")
+        self._loader = SerialWorker("hicache-load", wakeup)
+        self._copier = SerialWorker("hicache-backup-copy", wakeup)
 
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> torch.cuda.Event | CopyDone:
         """Start copying every layer of the slots device -> host; returns the copy's completion.

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
+from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import SerialWorker, Transfers
 
 
@@ -37,11 +38,18 @@ class KVMemory:
     """A KV-shaped pool on the device and (optionally) the host, with the copies between them."""
 
     def __init__(
-        self, geometry: KVGeometry, page_size: int, device_pages: int, host_pages: int | None, layout: str, device: str | None
+        self,
+        geometry: KVGeometry,
+        page_size: int,
+        device_pages: int,
+        host_pages: int | None,
+        layout: str,
+        device: str | None,
+        wakeup: Wakeup | None = None,
     ) -> None:
         self.device = DevicePool(geometry, device_pages, page_size, device)
         self.host = HostPool(geometry, page_size, layout, num_pages=host_pages) if host_pages else None
-        self.transfers = Transfers(self.device, self.host) if self.host is not None else None
+        self.transfers = Transfers(self.device, self.host, wakeup=wakeup) if self.host is not None else None
         self.device_allocator = self.device.allocator
         self.host_allocator = self.host.allocator if self.host is not None else None
 
@@ -73,14 +81,22 @@ class StateMemory:
     spent seconds of a bench run in these copies when they were synchronous.
     """
 
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device_slots: int, host_slots: int | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device_slots: int,
+        host_slots: int | None,
+        device: torch.device,
+        wakeup: Wakeup | None = None,
+    ) -> None:
         self.device = torch.zeros((device_slots, *shape), dtype=dtype, device=device)
         cuda = self.device.is_cuda
         self.host = torch.zeros((host_slots or 0, *shape), dtype=dtype, pin_memory=cuda and bool(host_slots))
         self.device_allocator = PageAllocator(device_slots, 1)
         self.host_allocator = PageAllocator(host_slots, 1) if host_slots else None
         self._stream = torch.cuda.Stream(self.device.device) if cuda else None
-        self._copier = SerialWorker("hicache-checkpoint-copy")
+        self._copier = SerialWorker("hicache-checkpoint-copy", wakeup)
 
     def to_host(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         pairs = list(zip(device_slots.tolist(), host_slots.tolist()))

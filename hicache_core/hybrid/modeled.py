@@ -30,6 +30,7 @@ from hicache_core.hybrid.components import RecurrentState, SlidingWindow
 from hicache_core.hybrid.model import FULL, RECURRENT, SWA, HybridModelConfig
 from hicache_core.hybrid.runner import HybridRunner
 from hicache_core.model import ModeledCompute
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.requests import EngineConfig, Live
 from hicache_core.transfer import LayerLoad
@@ -165,8 +166,8 @@ class ModeledHybridRunner(HybridRunner):
     def _models(self, device: torch.device) -> tuple[Any, None]:
         return _States(self.model_config, device), None
 
-    def build(self, device: DevicePool, host: HostPool | None) -> tuple[SlidingWindow | RecurrentState, ...]:
-        components = super().build(device, host)
+    def build(self, device: DevicePool, host: HostPool | None, wakeup: Wakeup | None = None) -> tuple[SlidingWindow | RecurrentState, ...]:
+        components = super().build(device, host, wakeup)
         slot_bytes = {id(self.window): self.model_config.swa_geometry.token_bytes}
         memories: list[tuple[Any, int]] = [(self.swa, slot_bytes[id(self.window)])]
         if self.checkpoints is not None:

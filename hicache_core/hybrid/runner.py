@@ -41,6 +41,7 @@ from hicache_core.model import ModeledGPU, TinyDecoder
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.requests import EngineCapacityError, EngineConfig, Live, Request
+from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad
 
 
@@ -83,17 +84,17 @@ class HybridRunner:
         self.model: HybridDecoder | None = None
         self.gpu: ModeledGPU | None = None  # a real forward pass (ModeledHybridRunner models one)
 
-    def build(self, device: DevicePool, host: HostPool | None) -> tuple[SlidingWindow | RecurrentState, ...]:
+    def build(self, device: DevicePool, host: HostPool | None, wakeup: Wakeup | None = None) -> tuple[SlidingWindow | RecurrentState, ...]:
         c, m, sizes = self.config, self.model_config, self.config.hybrid
         host_pages = (sizes.swa_host_pages or host.num_pages) if host is not None else None
         swa_pages = sizes.swa_device_pages or device.num_pages
-        self.swa = KVMemory(m.swa_geometry, c.page_size, swa_pages, host_pages, c.layout, c.device)
+        self.swa = KVMemory(m.swa_geometry, c.page_size, swa_pages, host_pages, c.layout, c.device, wakeup)
         self.window = SlidingWindow.on(self.swa, m.window - 1)
         self.components: tuple[SlidingWindow | RecurrentState, ...] = (self.window,)
         self.checkpoints: RecurrentState | None = None
         if m.recurrent_layers:
             self.states = StateMemory(
-                m.state_shape, m.dtype, sizes.device_checkpoints, sizes.host_checkpoints if host is not None else None, device.device
+                m.state_shape, m.dtype, sizes.device_checkpoints, sizes.host_checkpoints if host is not None else None, device.device, wakeup
             )
             self.checkpoints = RecurrentState.on(self.states)
             self.components += (self.checkpoints,)

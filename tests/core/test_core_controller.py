@@ -17,6 +17,7 @@ from hicache_core.metrics import CacheMetrics
 from hicache_core.prefetch import PrefetchConfig, PrefetchState, StopPolicy
 from hicache_core.engine import CacheTiers, Engine, EngineConfig, make_conversations, serve_conversations
 from hicache_core.model import ModelConfig
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree
 from hicache_core.storage_calls import StorageHealth, guarded_call
@@ -287,6 +288,63 @@ def test_layer_wise_load_releases_each_layer_on_its_own():
         assert bool((controller.device.kv[:, 1, device_slots] == 3.0).all())
     finally:
         gate.set()
+        controller.close()
+
+
+class CountedWakeup(Wakeup):
+    """A wakeup that says which work notified it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notices = threading.Semaphore(0)
+
+    def notify(self) -> None:
+        self.notices.release()
+        super().notify()
+
+    def expect(self, what: str) -> None:
+        assert self.notices.acquire(timeout=HANG_GUARD_POLLS * 0.01), f"{what} never woke the scheduler"
+
+
+def test_every_background_thread_wakes_the_scheduler_when_its_work_ends():
+    """The scheduler waits between steps on the controller's wakeup instead of polling: a copy,
+    a load, a prefetch's lookup and read, and a storage backup each notify it once done, and the
+    state they report is there for the scheduler's next poll."""
+    wakeup = CountedWakeup()
+    device = DevicePool(GEOMETRY, 64, 2, device="cpu")
+    host = HostPool(GEOMETRY, 2, "page_first", num_pages=64)
+    tree = RadixTree(2, device.allocator.free, host.allocator.free)
+    config = ControllerConfig(storage_timeout_s=None, prefetch=PrefetchConfig(threshold_tokens=2, stop_policy=StopPolicy.WAIT_COMPLETE))
+    controller = CacheController(config, tree, device, host, wakeup=wakeup)
+    assert controller.wakeup is wakeup
+    backend = RecordingBackend()
+    controller.attach_storage(backend, SCOPE)
+    try:
+        tokens = list(range(8))
+        insert(controller, tokens)  # write-through: a device -> host copy, then a storage backup
+        wakeup.expect("the device -> host copy")
+        controller.poll()  # as the woken scheduler does: the copy is applied, its storage backup queued
+        wakeup.expect("the storage backup")
+        controller.drain()
+        assert controller.metrics.snapshot()["storage_backup_pages"] == 4
+
+        loaded = threading.Event()
+        transfers = controller.transfers
+        assert transfers is not None
+        transfers.load(device.allocator.alloc(2), host.allocator.alloc(2), lambda load: loaded.set())
+        wakeup.expect("the load")
+        assert loaded.is_set(), "the load had ended when it notified"
+
+        longer = tokens + list(range(100, 104))
+        Store(backend).put_from(SCOPE.keys(page_hashes(longer, 2))[4:], [bytes(GEOMETRY.token_bytes * 2)] * 2)
+        tree.evict_device(1 << 30)
+        tree.evict_host(1 << 30)
+        op = plan(controller, longer)
+        assert op is not None and controller.prefetcher.try_issue(op)
+        wakeup.expect("the prefetch's lookup")
+        wakeup.expect("the prefetch's read")
+        assert op.done.is_set() and op.completed_pages == 6
+    finally:
         controller.close()
 
 
