@@ -353,19 +353,32 @@ class Engine:
         return match, self.tree.resume_point(match.host_node, on_device=False)
 
     def _fits(self, live: Live) -> bool:
-        """Whether device memory could hold the request now (``_may_fit`` at its current match)."""
-        return self._may_fit(live, *self._resume_point(live))
+        """Whether device memory could hold the request now, at its current match: the pages its
+        load from host memory takes and those of its own tokens, from free pages and all that
+        eviction could free (``unpin_behind`` releases waiting requests' pins by it).
+
+        Unlike ``_may_fit`` it counts a request with nothing to copy too: answered "fits" at
+        once, a head with no cached prefix, or all of it on the device, took one waiting
+        request's pin per scheduler step even where every pin together could not make room for
+        it, and the prefixes behind it left the device for nothing (traced in the long-history
+        bench at the H200 point; its wall time did not move, 5.35 s both in eight runs each)."""
+        return self._room_for(live, *self._resume_point(live))
 
     def _may_fit(self, live: Live, match: MatchResult, resume: TreeNode) -> bool:
-        """Whether device memory could hold the request resuming at ``resume``: the pages its
-        load from host memory takes and those of its own tokens, from free pages and all that
-        eviction could free. Checked before the load is issued: a start that fails after it
-        waits for the copy to land (its slots must not be reused under it), and that wait holds
-        up the scheduler, every running request's next decode step with it (30-75 ms a time at
-        the long-history bench's 40,000 tok/s). False only when the start cannot succeed."""
-        loaded = resume.end - match.device_hit_length
-        if loaded <= 0:
-            return True  # nothing to copy: a failed start costs nothing to find out
+        """Whether device memory could hold the request resuming at ``resume`` (``_room_for``).
+        Checked before the load is issued: a start that fails after it waits for the copy to
+        land (its slots must not be reused under it), and that wait holds up the scheduler,
+        every running request's next decode step with it (30-75 ms a time at the long-history
+        bench's 40,000 tok/s). With nothing to copy a failed start costs nothing to find out:
+        True without counting. False only when the start cannot succeed."""
+        if resume.end <= match.device_hit_length:
+            return True
+        return self._room_for(live, match, resume)
+
+    def _room_for(self, live: Live, match: MatchResult, resume: TreeNode) -> bool:
+        """Whether free pages, and all that eviction could free, hold what the request resuming
+        at ``resume`` takes: its load from host memory and its own tokens."""
+        loaded = max(0, resume.end - match.device_hit_length)
         ps = self.config.page_size
         own = len(live.request.tokens) + live.request.max_new_tokens - 1 - resume.end
         pages = -(-loaded // ps) + -(-own // ps)

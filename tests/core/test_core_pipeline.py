@@ -240,6 +240,35 @@ def test_a_head_short_of_memory_takes_the_device_prefix_pinned_by_a_request_behi
     assert behind.cached_device + behind.cached_host + behind.cached_storage == 40 + 16, "its prefix came back from a tier"
 
 
+def test_a_head_that_would_not_fit_even_so_leaves_the_pins_behind_it_alone():
+    """The pins behind a head short of memory go only when that makes room for it. A head with
+    nothing to copy (no cached prefix, or all of it on the device) was once answered "fits" at
+    once: each step it took another waiting request's pin, still could not start, and the
+    prefixes behind it left the device for nothing."""
+    store = f"pipeline-{uuid.uuid4().hex}"
+    history = prompt(50, 40)  # 10 pages
+    extension = prompt(51, 16)
+    stored(store, history + extension)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store=store, device_pages=32)) as engine:
+        engine.serve([Request("history", history, 1)])  # the history is on the device (10 pages)
+        engine.submit(Request("running", prompt(52, 20), 60))  # 20 pages, for 59 steps
+        step_until(engine, lambda: bool(engine._running), "the running request to start")
+        engine.submit(Request("head", prompt(53, 52), 2))  # 53 tokens: 14 pages; 2 free, 10 more pinned behind it
+        engine.submit(Request("behind", history + extension + prompt(54, 4), 1))  # its prefetch pins the history
+        for live in engine.admission.waiting:
+            assert live.prefetch is not None and live.prefetch.done.wait(DEADLINE_S), live.request.rid
+        for _ in range(10):  # the running request needs 59 steps: it is still running after these
+            engine.step()
+        assert [live.request.rid for live in engine._running] == ["running"]
+        behind = next(live for live in engine.admission.waiting if live.request.rid == "behind")
+        assert behind.pinned is not None, "its pin could not have made room for the head: it stays"
+        assert engine.tree.match_prefix(history).device_hit_length == 40, "the history stayed on the device"
+        step_until(engine, lambda: not engine.has_work(), "every request")
+        results = {r.rid: r for r in engine.take_results()}
+    assert sorted(results) == ["behind", "head", "running"]
+    assert results["behind"].cached_device + results["behind"].cached_host + results["behind"].cached_storage == 40 + 16
+
+
 def test_a_head_short_of_memory_takes_the_device_prefix_pinned_by_a_request_whose_read_is_in_flight():
     """The same, with the read of the request behind still in flight (a slow store): its pin goes
     too. Its read's pages hang from that prefix, which keeps its host copy, so once the read
