@@ -53,6 +53,7 @@ from hicache_storage.store import Store
 from hicache_core.backup import BackupOp, StorageBackup
 from hicache_core.host_writes import HostWriter
 from hicache_core.metrics import CacheMetrics
+from hicache_core.op_thread import Wakeup
 from hicache_core.pin_cap import PinCap
 from hicache_core.pools import DevicePool, HostPool
 from hicache_core.prefetch import PrefetchConfig, Prefetcher, StopPolicy
@@ -60,7 +61,6 @@ from hicache_core.radix_tree import InsertResult, MatchResult, RadixTree, TreeNo
 from hicache_core.side_pools import PoolPages, backup_pages, tiered, unsaved_state
 from hicache_core.storage_calls import StorageHealth
 from hicache_core.tp import TPContext
-from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad, Transfers
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from typing import Protocol
 import torch
 
 from hicache_core.model import ModelConfig, ModeledCompute, ModeledGPU, TinyDecoder
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import Component, RadixTree, TreeNode
 from hicache_core.requests import EngineConfig, Live, Request
-from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad
 
 

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
 from hicache_core.op_thread import Wakeup
+from hicache_core.pools import DevicePool, HostPool, KVGeometry, PageAllocator
 from hicache_core.transfer import SerialWorker, Transfers
 
 

@@ -38,10 +38,10 @@ from hicache_core.hybrid.memory import KVMemory, StateMemory
 from hicache_core.hybrid.model import FULL, HybridDecoder, HybridModelConfig
 from hicache_core.hybrid.request_window import RequestWindow
 from hicache_core.model import ModeledGPU, TinyDecoder
+from hicache_core.op_thread import Wakeup
 from hicache_core.pools import DevicePool, HostPool, KVGeometry
 from hicache_core.radix_tree import RadixTree, TreeNode
 from hicache_core.requests import EngineCapacityError, EngineConfig, Live, Request
-from hicache_core.op_thread import Wakeup
 from hicache_core.transfer import LayerLoad
 
 
