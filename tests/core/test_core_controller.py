@@ -341,8 +341,9 @@ def test_every_background_thread_wakes_the_scheduler_when_its_work_ends():
         tree.evict_host(1 << 30)
         op = plan(controller, longer)
         assert op is not None and controller.prefetcher.try_issue(op)
-        wakeup.expect("the prefetch's lookup")
-        wakeup.expect("the prefetch's read")
+        # three notices, from two threads in either order: the lookup, the read's one batch, the read's end
+        for what in ("the prefetch's lookup", "the batch read", "the prefetch's read"):
+            wakeup.expect(what)
         assert op.done.is_set() and op.completed_pages == 6
     finally:
         controller.close()
