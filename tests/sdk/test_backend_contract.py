@@ -115,6 +115,41 @@ def test_prefix_exists_stops_at_the_first_batch_with_a_miss():
     assert connector.batches == [3, 3], "the third batch must not be asked once the second had a miss"
 
 
+class PerKeyRecording(Recording):
+    """A store that answers ``exists`` one key at a time (an object store), no batch limit."""
+
+    capabilities = Capabilities(max_value_size=100)
+
+
+class NativeRecording(Recording):
+    capabilities = Capabilities(native_batch_exists=True, max_value_size=100)
+
+
+@pytest.mark.parametrize(
+    ("stored", "asked"),
+    [(0, [16]), (8, [16]), (20, [16, 32]), (100, [16, 32, 52])],
+)
+def test_prefix_exists_on_a_per_key_store_asks_in_growing_batches(stored, asked):
+    """A short hit costs one batch of PROBE_FIRST_KEYS requests, not one per key of the prompt."""
+    assert Store.PROBE_FIRST_KEYS == 16
+    connector = PerKeyRecording()
+    store = Store(connector)
+    ks = keys(100)
+    if stored:
+        store.put(ks[:stored], [b"x"] * stored)
+    assert store.prefix_exists(ks) == stored
+    assert connector.batches == asked
+
+
+def test_prefix_exists_on_a_native_batch_store_asks_once_per_max_batch():
+    connector = NativeRecording()
+    store = Store(connector)
+    ks = keys(100)
+    store.put(ks[:8], [b"x"] * 8)
+    assert store.prefix_exists(ks) == 8
+    assert connector.batches == [100]
+
+
 def test_oversized_values_raise_before_reaching_the_connector():
     store = Store(Recording())
     with pytest.raises(ValueTooLargeError, match="101 bytes exceeds .* 100 bytes") as info:
