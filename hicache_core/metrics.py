@@ -58,7 +58,7 @@ class CacheCounters:
     #: (the pages declined then count only those known stored: written or read by this engine)
     prefetch_lookups_skipped: int = 0
     #: prefetches whose lookup this engine answered itself: every page asked was one it wrote or
-    #: read, on a store that drops nothing on its own (see ``Prefetcher._known_stored``)
+    #: read, on a store that drops nothing on its own (see ``Prefetcher._known_leading``)
     prefetch_lookups_known: int = 0
     #: prefetches stopped because the pages still to come would arrive after computing them
     prefetch_stopped_by_cost: int = 0

@@ -207,7 +207,7 @@ class Prefetcher:
         #: prefetch the cost model declined without a lookup would have found, at least).
         self.stored = PageSet(capacity=STORED_PAGES_REMEMBERED)
         #: The store keeps what it is given until it is deleted (no ``evicts`` capability): a page
-        #: this engine wrote or read is there without asking (``_known_stored``).
+        #: this engine wrote or read is there without asking (``_known_leading``).
         self._keeps_pages = False
         self._health: StorageHealth | None = None
         #: ``best_effort`` ops their requests stopped waiting for before anything arrived: their
@@ -563,8 +563,10 @@ class Prefetcher:
         The store is asked only about the pages the cost model could load were they all stored
         (``_most_worth_loading``), and not at all when that is below the threshold: a lookup
         costs a slow store's time and the machine's CPU (an object store answers one request per
-        page). What the op learns the store holds (``stored_pages``) is then its answer, or past
-        what it asked, the pages known stored (``stored``: this engine wrote or read them)."""
+        page), and only from the first page this engine does not know stored
+        (``_known_leading``). What the op learns the store holds (``stored_pages``) is then its
+        answer, or past what it asked, the pages known stored (``stored``: this engine wrote or
+        read them)."""
         assert self.host is not None and op.host_indices is not None
         lead = len(op.lead_hashes)
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
@@ -572,13 +574,15 @@ class Prefetcher:
         most = 0 if skip else self._most_worth_loading(op)
         declined = not skip and most * self.page_size < self.config.threshold_tokens
         asked = op.lead_hashes + op.hashes[:most]
+        known_lead = 0 if skip or declined else self._known_leading(op, most)
         if skip or declined:
             local_hit = 0
-        elif self._known_stored(op, most):
+        elif 0 < most == known_lead:
             local_hit = most
             self.metrics.add(prefetch_lookups_known=1)
-        else:
-            local_hit = guarded_call(self.metrics, lambda: store.restorable_pages(asked, held=lead) - lead, 0, "exists", health=health)
+        else:  # asked from the first page not known stored
+            held = lead + known_lead
+            local_hit = guarded_call(self.metrics, lambda: store.restorable_pages(asked, held=held) - lead, 0, "exists", health=health)
         known = self.stored.leading(op.hashes) if declined or local_hit == most else 0
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
@@ -600,16 +604,20 @@ class Prefetcher:
         self.metrics.add(prefetch_revoked=1)
         return False
 
-    def _known_stored(self, op: PrefetchOp, pages: int) -> bool:
-        """Whether the first ``pages`` of ``op`` are known stored without asking the store: this
-        engine wrote or read each of them (``stored``), and the store drops nothing on its own.
-        A lookup costs an object store one request per page: at S3 with L4-class compute, a
-        long-history request's lookup of 196 pages took 0.26 s before its read could begin, while
-        this engine had written every one of them. A page deleted meanwhile by someone else is
-        found missing by the read, which then ends there (the rest is computed) and forgets it.
-        A hybrid model's cuts depend on its components' pools, which this record does not cover:
-        it always asks."""
-        return self._keeps_pages and not self.components and pages > 0 and self.stored.leading(op.hashes[:pages]) >= pages
+    def _known_leading(self, op: PrefetchOp, pages: int) -> int:
+        """How many of the first ``pages`` of ``op``, from the first, are known stored without
+        asking the store: this engine wrote or read each of them (``stored``), and the store
+        drops nothing on its own. Only the pages past them are asked for. A lookup costs an
+        object store one request per page: at S3 with L4-class compute, a long-history
+        request's lookup of 196 pages took 0.26 s before its read could begin, while this engine
+        had written every one of them; and while the backup of its last turn was still being
+        written, a lookup of 211 pages that found 203 took 0.46 s where the 8 unknown ones were
+        all it needed to ask. A page deleted meanwhile by someone else is found missing by the
+        read, which then ends there (the rest is computed) and forgets it. A hybrid model's cuts
+        depend on its components' pools, which this record does not cover: it always asks."""
+        if not self._keeps_pages or self.components or pages <= 0:
+            return 0
+        return self.stored.leading(op.hashes[:pages])
 
     def _most_worth_loading(self, op: PrefetchOp) -> int:
         """The pages of ``op`` the cost model would load if the store held every one (all of them

@@ -203,6 +203,34 @@ def test_pages_an_engine_wrote_to_a_store_that_keeps_them_are_read_without_a_loo
     assert counters["prefetch_lookups_known"] == 0 and calls["exists_keys"] >= 3 * WHOLE // PAGE
 
 
+def test_a_lookup_asks_only_for_the_pages_past_those_the_engine_knows_stored():
+    """The engine wrote the first 6 pages of each prompt; another engine then wrote all 10. After
+    a flush, each prefetch asks the store about the last 4 only, and reads all 10."""
+    known = 6
+    store = f"cost-{uuid.uuid4().hex}"
+    requests = [Request(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+    expected = uncached(requests)
+    with Engine(engine_config(CacheTiers.L1_L2_L3, store, FAST_READ)) as engine:
+        engine.serve([Request(f"head-{i}", p[: known * PAGE + 1], NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+        engine.drain()
+        assert all(stored_pages(engine, p) == known for p in PROMPTS)
+        with Engine(engine_config(CacheTiers.L1_L2_L3, store, FAST_READ)) as other:
+            other.serve([Request(f"other-{i}", p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+            other.drain()
+        assert all(stored_pages(engine, p) == WHOLE // PAGE for p in PROMPTS)
+        engine.flush_cache()
+        storage = engine.controller.storage
+        assert storage is not None
+        before = storage.stats()
+        again = engine.serve(requests)
+        asked = storage.stats()["exists_keys"] - before["exists_keys"]
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, again)
+    assert [r.cached_storage for r in again] == [WHOLE] * 3
+    assert asked == 3 * (WHOLE // PAGE - known), "only the pages this engine did not write are looked up"
+    assert counters["prefetch_lookups_known"] == 0
+
+
 def test_a_page_deleted_behind_the_engines_back_ends_the_read_there_and_is_written_again():
     """A page the engine wrote is deleted by someone else. Not looked up (the engine knows it
     wrote it), it is found missing by the read: the request loads the pages before it, computes

@@ -45,6 +45,7 @@ import torch
 
 from connector_matrix import connector_config
 from hicache_core import CacheTiers, Engine, EngineConfig, RequestResult, make_conversations
+from hicache_core import prefetch
 from hicache_core.soak import serve_rounds, tiny_engine_config
 from hicache_storage import KeyScope, Namespace, Store, create_backend
 from hicache_storage.connector import Level
@@ -596,9 +597,12 @@ def paused_faults(storage: Level, faults: dict[str, Any]) -> FaultInjectionLayer
 
 @pytest.mark.services
 @pytest.mark.parametrize("label", ["file", "redis", "s3", "mooncake"])
-def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label):
+def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label, monkeypatch):
     """Half the pages ``exists`` reports are deleted (through the real store) right after it, so
-    the reads that follow find them gone: a page evicted between exists and get."""
+    the reads that follow find them gone: a page evicted between exists and get. The engine
+    remembers none of the pages it wrote (as for pages another engine wrote): it looks up every
+    page it reads, rather than only those past what it knows stored."""
+    monkeypatch.setattr(prefetch, "STORED_PAGES_REMEMBERED", 1)
     name, config = connector_config(request, label, tmp_path)
     store = paused_faults(create_backend(name, config), {"exists": {"vanish_rate": 0.5}})
     figures = Figures("page deleted between exists and get", label)
