@@ -139,8 +139,7 @@ class Store:
         system behind fsspec) the batches grow from ``PROBE_FIRST_KEYS`` keys, doubling: asked
         at once, every key of a long prompt costs a request whatever the first miss, and at the
         long-history bench's H200 point a 211-page lookup on SeaweedFS that found 8 took 230 ms
-        (sixteen connections' worth of HEADs in turn) while a request waited on the device
-        memory it held. Growing batches cost a full hit about as many round trips as one batch
+        (211 HEADs, sixteen at a time) while a request waited on the device memory it held. Growing batches cost a full hit about as many round trips as one batch
         (the connector runs its pool's width of calls at once) plus one per doubling.
         """
         keys = self._prepare_keys(keys, "exists")

@@ -126,28 +126,26 @@ class NativeRecording(Recording):
 
 
 @pytest.mark.parametrize(
-    ("stored", "asked"),
-    [(0, [16]), (8, [16]), (20, [16, 32]), (100, [16, 32, 52])],
+    ("connector_type", "stored", "asked"),
+    [
+        (PerKeyRecording, 0, [16]),
+        (PerKeyRecording, 8, [16]),
+        (PerKeyRecording, 20, [16, 32]),
+        (PerKeyRecording, 100, [16, 32, 52]),
+        (NativeRecording, 8, [100]),
+    ],
 )
-def test_prefix_exists_on_a_per_key_store_asks_in_growing_batches(stored, asked):
-    """A short hit costs one batch of PROBE_FIRST_KEYS requests, not one per key of the prompt."""
+def test_prefix_exists_asks_a_per_key_store_in_growing_batches(connector_type, stored, asked):
+    """A short hit on a store without a batch ``exists`` costs one batch of PROBE_FIRST_KEYS
+    requests, not one per key of the prompt; a store with one is asked everything at once."""
     assert Store.PROBE_FIRST_KEYS == 16
-    connector = PerKeyRecording()
+    connector = connector_type()
     store = Store(connector)
     ks = keys(100)
     if stored:
         store.put(ks[:stored], [b"x"] * stored)
     assert store.prefix_exists(ks) == stored
     assert connector.batches == asked
-
-
-def test_prefix_exists_on_a_native_batch_store_asks_once_per_max_batch():
-    connector = NativeRecording()
-    store = Store(connector)
-    ks = keys(100)
-    store.put(ks[:8], [b"x"] * 8)
-    assert store.prefix_exists(ks) == 8
-    assert connector.batches == [100]
 
 
 def test_oversized_values_raise_before_reaching_the_connector():
