@@ -120,6 +120,8 @@ class HF3FSBackend(Connector):
         if cfg.io == "usrbio" and not usrbio_available():
             raise MissingDependencyError(self.name, "hf3fs_fuse (3FS usrbio binding)", None)
         self._index_error = redis_error_base() if cfg.metadata_url is not None else None
+        #: This instance's slot size, once it and the index's capacity are set (``_set_page_size``).
+        self._slot_size: int | None = None
         if cfg.metadata_url is None:
             self._index: LocalSlotIndex | RedisSlotIndex = open_local_index(self._root, cfg.rank)
         else:
@@ -191,7 +193,7 @@ class HF3FSBackend(Connector):
         sizes = [segments_size(s) for s in sources]
         # Without page_size_bytes the first put fixes the slot size: its largest page, and at
         # least one aligned block (a put of zero-byte pages still needs slots of some size).
-        page_size = self._index.page_size or self._set_page_size(max(*sizes, 1))
+        page_size = self._slot_size or self._set_page_size(max(*sizes, 1))
         too_big = [s for s in sizes if s > page_size]
         if too_big:
             raise ValueTooLargeError(
@@ -230,6 +232,10 @@ class HF3FSBackend(Connector):
     # --- internals ----------------------------------------------------------------------------
 
     def _set_page_size(self, size: int) -> int:
+        """Fix the slot size (``size``, unless the index has one) and the index's capacity from
+        it. ``_slot_size`` is set last: a put that finds it set finds the capacity set too. (Two
+        first puts at once: the second, seeing the index's slot size before the first had set
+        the capacity, reserved from a capacity of 0 and failed "no free slot".)"""
         cfg: HF3FSConfig = self.config
         page_size = self._index.fix_page_size(_aligned(size))
         slots_per_file = cfg.file_size // page_size
@@ -239,6 +245,7 @@ class HF3FSBackend(Connector):
             )
         self._index.capacity = slots_per_file * cfg.numjobs
         self.capabilities = self.capabilities.replace(max_value_size=page_size)
+        self._slot_size = page_size
         return page_size
 
     def _transfer(self, for_read: bool, items: list[tuple[Location, Segments]]) -> list[bool]:

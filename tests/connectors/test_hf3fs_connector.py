@@ -282,6 +282,50 @@ def test_a_first_put_of_zero_byte_pages_fixes_one_aligned_slot(tmp_path: Path, i
         assert store.get(keys[1:], SLOT) == [page(2)]
 
 
+def test_a_put_beside_the_first_one_waits_for_no_capacity(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
+    """Two first puts at once: the second comes in just after the first fixed the index's slot
+    size and before it set the capacity. It must still find slots (it once reserved from a
+    capacity of 0 and raised CapacityError: the conformance suite's concurrent clause, 1 run in
+    ~10)."""
+    config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
+    with Store(HF3FSBackend(config)) as store:
+        connector = store.top
+        index = connector._index
+        fixed, second_done = threading.Event(), threading.Event()
+        original = index.fix_page_size
+
+        def fix_then_hold(size: int) -> int:
+            result = original(size)
+            if not fixed.is_set():  # the first put: let the second run before the capacity is set
+                fixed.set()
+                assert second_done.wait(30), "the second put did not finish"
+            return result
+
+        index.fix_page_size = fix_then_hold
+        keys = scope.keys(hashes(2, 11))
+        outcomes: dict[str, object] = {}
+
+        def first() -> None:
+            outcomes["first"] = store.put(keys[:1], [page(1)])
+
+        def second() -> None:
+            assert fixed.wait(30)
+            try:
+                outcomes["second"] = store.put(keys[1:], [page(2)])
+            except Exception as exc:  # reported below, not lost in the thread
+                outcomes["second"] = exc
+            finally:
+                second_done.set()
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert outcomes == {"first": [True], "second": [True]}
+        assert store.get(keys, SLOT) == [page(1), page(2)]
+
+
 @pytest.mark.services
 def test_shared_index_rejects_another_page_size(tmp_path: Path, redis_server: Any) -> None:
     common = {"root": str(tmp_path / "mount"), "file_size": 16 * SLOT, "metadata_url": redis_server.url}
