@@ -285,8 +285,8 @@ def test_a_first_put_of_zero_byte_pages_fixes_one_aligned_slot(tmp_path: Path, i
 def test_a_put_beside_the_first_one_waits_for_no_capacity(tmp_path: Path, index_config: dict[str, Any], scope: KeyScope) -> None:
     """Two first puts at once: the second comes in just after the first fixed the index's slot
     size and before it set the capacity. It must still find slots (it once reserved from a
-    capacity of 0 and raised CapacityError: the conformance suite's concurrent clause, 1 run in
-    ~10)."""
+    capacity of 0 and raised CapacityError, as the conformance suite's concurrent clause once
+    did on the minimal config)."""
     config = {"root": str(tmp_path / "mount"), "file_size": 64 * SLOT, "numjobs": 2, **index_config}
     with Store(HF3FSBackend(config)) as store:
         connector = store.top
