@@ -600,8 +600,8 @@ def paused_faults(storage: Level, faults: dict[str, Any]) -> FaultInjectionLayer
 def test_page_deleted_between_exists_and_get(request, tmp_path, baseline, label, monkeypatch):
     """Half the pages ``exists`` reports are deleted (through the real store) right after it, so
     the reads that follow find them gone: a page evicted between exists and get. The engine
-    remembers none of the pages it wrote (as for pages another engine wrote): it looks up every
-    page it reads, rather than only those past what it knows stored."""
+    remembers only the last page it wrote (as if another engine had written the rest), so it
+    looks up the pages it reads rather than only those past what it knows stored."""
     monkeypatch.setattr(prefetch, "STORED_PAGES_REMEMBERED", 1)
     name, config = connector_config(request, label, tmp_path)
     store = paused_faults(create_backend(name, config), {"exists": {"vanish_rate": 0.5}})
