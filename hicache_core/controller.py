@@ -555,6 +555,11 @@ class CacheController:
                 return
 
     @property
+    def copies_on_insert(self) -> bool:
+        """Whether an insert may start device -> host copies (every write policy but write-back)."""
+        return self.host_writer is not None and self.config.write_policy is not WritePolicy.WRITE_BACK
+
+    @property
     def _write_back_to_host(self) -> bool:
         return self.host is not None and self.config.write_policy is WritePolicy.WRITE_BACK
 

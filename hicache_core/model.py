@@ -356,6 +356,14 @@ class ModeledGPU:
                 self._settle(block=True, until=prefill)
             return prefill.end
 
+    def computed(self, prefill: QueuedPrefill) -> bool:
+        """Whether ``prefill`` has ended (the KV it computes exists), without waiting."""
+        now = time.perf_counter()
+        with self._lock:
+            if prefill.end is None:
+                self._settle(block=False, until=prefill)
+            return prefill.end is not None and prefill.end <= now
+
     def wait(self) -> None:
         """Until the work queued so far has ended."""
         with self._lock:

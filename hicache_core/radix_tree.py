@@ -130,6 +130,19 @@ class RadixTree:
             host_node.last_access = now  # the path above it is as recent: see settle_recency
         return MatchResult(device_node, host_length, host_node, root)
 
+    def device_match(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
+        """How many leading tokens of ``tokens`` are cached on the device, and the deepest node
+        holding them (the root for none; it may hold more than the match). Changes nothing (no
+        split, no access time): for choosing among waiting requests, not for using the match."""
+        node, matched = self._locate(tokens)
+        if node is self.root:
+            return node, 0
+        if node.device_value is not None:
+            return node, node.end - len(node.key) + matched
+        while node is not self.root and node.device_value is None:
+            node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
+        return node, node.end
+
     def resume_point(self, node: TreeNode, *, on_device: bool) -> TreeNode:
         """The deepest node at or above ``node`` whose end every component accepts.
 
@@ -162,12 +175,14 @@ class RadixTree:
 
     # --- insertion ----------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], device_indices: torch.Tensor) -> InsertResult:
+    def insert(self, tokens: Sequence[int], device_indices: torch.Tensor, *, counted: int = 0) -> InsertResult:
         """Cache ``tokens`` (a whole number of pages) whose KV sits in ``device_indices``.
 
         The tree takes the slots of every page it did not have on the device; the caller frees
         its own copy of the first ``duplicate_length`` tokens (those were already cached).
-        Existing nodes on the path get a hit (``hit_count``) and an access time.
+        Existing nodes on the path get a hit (``hit_count``) and an access time; those within
+        the first ``counted`` tokens only the access time (the same request inserted them
+        before, and its hit was counted then: a request's prompt, inserted after its prefill).
         """
         self._check_aligned(len(tokens))
         now = self._clock()
@@ -179,13 +194,15 @@ class RadixTree:
         # Device copies are prefix-closed: fill the tail without one, then the rest is cached.
         while step is not root and step.device_value is None:
             step.device_value = device_indices[step.end - len(step.key) : step.end].clone()
-            step.hit_count += 1
+            if step.end > counted:
+                step.hit_count += 1
             step.last_access = now
             existing.append(step)
             step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
         result = InsertResult(step.end, node, [], existing)
         while step is not root:
-            step.hit_count += 1
+            if step.end > counted:
+                step.hit_count += 1
             step.last_access = now
             existing.append(step)
             step = step.parent  # type: ignore[assignment]  # below the root, every node has a parent
@@ -407,8 +424,19 @@ class RadixTree:
         for n in self._path_up(node):
             n.lock_ref += 1
 
-    def unlock(self, node: TreeNode) -> None:
-        self.releases += 1
+    def move_lock(self, node: TreeNode, below: TreeNode) -> None:
+        """Move a lock from ``node`` to ``below``, a node of the path through it: the path stays
+        locked, so nothing is given back (``releases`` does not change)."""
+        self.lock(below)
+        for n in self._path_up(node):
+            n.lock_ref -= 1
+            assert n.lock_ref >= 0, n
+
+    def unlock(self, node: TreeNode, *, gives_back: bool = True) -> None:
+        """Undo a ``lock``. ``gives_back=False``: nothing could have used the path meanwhile (a
+        lock held only while other requests start), so ``releases`` does not count it."""
+        if gives_back:
+            self.releases += 1
         for n in self._path_up(node):
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n

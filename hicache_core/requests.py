@@ -57,6 +57,16 @@ class CacheTiers(str, enum.Enum):
         return self is CacheTiers.L1_L2_L3
 
 
+class AdmissionOrder(str, enum.Enum):
+    """Which waiting request is tried first (see :mod:`hicache_core.admission`)."""
+
+    #: Longest prefix match: the most prompt tokens cached on the device first, then arrival
+    #: (SGLang's ``--schedule-policy lpm``).
+    LPM = "lpm"
+    #: Arrival order: first come, first served.
+    FCFS = "fcfs"
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig | HybridModelConfig = field(default_factory=ModelConfig)
@@ -79,6 +89,8 @@ class EngineConfig:
     tenant: str | None = None
     revision: str | None = None
     max_running: int = 8
+    #: Which waiting request is tried first (see :mod:`hicache_core.admission`).
+    admission_order: AdmissionOrder = AdmissionOrder.LPM
     #: ``None`` runs the reference model; a ModeledCompute sleeps for the modeled cost instead.
     compute: ModeledCompute | None = None
     device: str | None = None
@@ -163,6 +175,13 @@ class Live:
     model_state: Any = None
     #: Its prefill on the modeled GPU (its end is the first token: the TTFT, once known).
     prefill: QueuedPrefill | None = None
+    #: Its place in arrival order, and how many requests that arrived after it started before it
+    #: (see ``admission.OVERTAKEN_MAX``).
+    arrival: int = 0
+    overtaken: int = 0
+    #: The prompt tokens the tree took after the prefill (``Engine._cache_prompt``); the insert
+    #: at its end counts no second hit on them.
+    cached_prompt: int = 0
 
     @property
     def prefix_len(self) -> int:

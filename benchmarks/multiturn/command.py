@@ -45,6 +45,11 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument("--request-length", type=int, help="new tokens per round (default: 512)")
     work.add_argument("--output-length", type=int, default=8, help="generated tokens per round (default: %(default)s)")
     work.add_argument("--max-running", type=int, default=4, help="most requests running at once (default: %(default)s)")
+    work.add_argument(
+        "--admission-order", default="lpm", choices=["lpm", "fcfs"],
+        help="which waiting request is tried first: the most prompt tokens cached on the device (lpm, as SGLang's "
+        "--schedule-policy) or the first to arrive (default: %(default)s)",
+    )
     work.add_argument("--no-round-barrier", action="store_true", help="let each client start its next round as soon as it can")
     work.add_argument("--seed", type=int, default=0)
     tiers = bench.add_argument_group("tiers and cache")
@@ -122,6 +127,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # Imported here, not at the top: the CLI loads this module to build its parser for every
     # command, and the runner pulls in torch.
     from hicache_core.controller import StopPolicy, WritePolicy
+    from hicache_core.requests import AdmissionOrder
     from hicache_storage.benchmarks.multiturn.experiments import branch_backup, prefilled_l3
     from hicache_storage.benchmarks.multiturn.report import render, write_outputs
     from hicache_storage.benchmarks.multiturn.runner import PRESETS, TIER_CHOICES, BenchConfig, run_bench, stop_policy_comparison
@@ -172,6 +178,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             layout=args.layout,
             write_policy=WritePolicy(args.write_policy),
             stop_policy=StopPolicy(args.stop_policy),
+            admission_order=AdmissionOrder(args.admission_order),
             prefetch_threshold=args.prefetch_threshold,
             load_policy=LoadPolicy(args.load_policy),
             compute=args.compute,

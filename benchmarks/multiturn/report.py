@@ -132,7 +132,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"round barrier {'on' if workload['round_barrier'] else 'off'}, seed {workload['seed']}.",
         _compute_line(config),
         f"L1 {config['device_tokens']:,} tokens, L2 {config['host_ratio']}x L1; L3: {config['backend']}; "
-        f"write policy {config['write_policy']}, prefetch stop policy {config['stop_policy']}.",
+        f"write policy {config['write_policy']}, prefetch stop policy {config['stop_policy']}, "
+        f"admission order {config.get('admission_order', 'fcfs')}.",
         "",
         overall_table(result),
         "",

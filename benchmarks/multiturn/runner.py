@@ -29,7 +29,7 @@ from hicache_core.engine import CacheTiers, Engine, EngineConfig
 from hicache_core.hybrid.model import HybridModelConfig
 from hicache_core.hybrid.modeled import HYBRID_SHAPES
 from hicache_core.model import ModelConfig, ModeledCompute
-from hicache_core.requests import HybridPools
+from hicache_core.requests import AdmissionOrder, HybridPools
 
 #: The modeled deployment: Qwen2.5-7B-Instruct with an FP8 KV cache on one NVIDIA L4 (24 GB).
 #: Prefill: 7.6B params x 2 FLOP/token = 15.2 GFLOP/token; L4 dense bf16 ~121 TFLOP/s at ~50% MFU
@@ -86,6 +86,7 @@ class BenchConfig:
     layout: str = "page_first"
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     stop_policy: StopPolicy = PrefetchConfig.stop_policy
+    admission_order: AdmissionOrder = AdmissionOrder.LPM
     prefetch_threshold: int = 256
     #: Which stored pages a prefetch loads (the cost model's, or all: see hicache_storage.cost).
     load_policy: LoadPolicy = LoadPolicy.COST
@@ -161,6 +162,7 @@ class BenchConfig:
             storage_config=backend_config if tiers.storage else None,
             tenant=f"bench-{uuid.uuid4().hex[:12]}",  # a shared store never serves an earlier run's pages
             max_running=self.workload.max_running,
+            admission_order=self.admission_order,
             compute=compute,
             # The bench's hybrid shapes have no draft model; the SWA pools default to the FULL pool's pages.
             hybrid=HybridPools(draft=False),
@@ -359,6 +361,7 @@ def describe(config: BenchConfig) -> dict[str, Any]:
     data["tiers"] = [t.value for t in config.tiers]
     data["write_policy"] = config.write_policy.value
     data["stop_policy"] = config.stop_policy.value
+    data["admission_order"] = config.admission_order.value
     data["load_policy"] = config.load_policy.value
     data["kv_bytes_per_token"] = config.kv_bytes_per_token()
     data["backend"] = config.backend or "file (temporary directory)"

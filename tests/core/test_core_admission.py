@@ -5,6 +5,9 @@
   outputs stay bit-identical to no cache.
 * ``write_through_selective`` backs up a prompt sent again and again (no new page each time).
 * A host pool smaller than a prompt still gets (and stores) the prompt's head, with a warning.
+* The admission order: a request whose prefix L1 holds starts before one that would evict it
+  (``lpm``, the default; ``fcfs`` keeps arrival order), and one overtaken too often goes first;
+  each start counts an overtake for the requests that arrived before it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import uuid
 
 import pytest
 
+from hicache_core import admission
 from hicache_core.controller import ControllerConfig, WritePolicy
-from hicache_core.engine import CacheTiers, Engine, EngineCapacityError, EngineConfig, Request
+from hicache_core.engine import AdmissionOrder, CacheTiers, Engine, EngineCapacityError, EngineConfig, Request
 from hicache_core.model import ModelConfig
 from hicache_core.prefetch import PrefetchConfig, StopPolicy
 
@@ -38,6 +42,11 @@ def engine_config(tiers: CacheTiers, stop: StopPolicy = StopPolicy.WAIT_COMPLETE
     )
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def prompt_of(seed: int, tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(MODEL.vocab_size) for _ in range(tokens)]
 
 
 def test_a_request_larger_than_the_device_pool_is_refused_at_submit():
@@ -149,3 +158,61 @@ def test_a_start_that_cannot_fit_issues_no_load():
         again = {r.rid: r for r in engine.take_results()}["again"]
         stats = engine.metrics.snapshot()
     assert (again.cached_host, stats["load_back_tokens"]) == (40, 40), "once the long request is done, the prefix loads from host"
+
+
+def _with_l1_holding(engine: Engine, *prompts: list[int]) -> None:
+    """Serve each prompt alone, in order: L1 then holds them, the last one most recently used."""
+    for i, tokens in enumerate(prompts):
+        engine.serve([Request(f"warm-{i}", tokens, 1)])
+
+
+@pytest.mark.parametrize("order", list(AdmissionOrder))
+def test_a_request_whose_prefix_l1_holds_starts_before_one_that_would_evict_it(order):
+    """``lpm`` (the default): a request queued behind one that must evict to start, whose own
+    prefix L1 holds, starts first and hits. ``fcfs``: the first request evicts both prefixes L1
+    holds, the one the second needs too."""
+    a, b, c = prompt_of(1, 40), prompt_of(2, 40), prompt_of(3, 60)
+    with Engine(engine_config(CacheTiers.L1, admission_order=order)) as engine:
+        _with_l1_holding(engine, a, b)  # 2 x 10 of the 24 pages
+        # "new" needs 15 pages: the 4 free ones and both prefixes
+        new, again = engine.serve([Request("new", c, 1), Request("again", a + [7, 7, 7, 7], 1)])
+    assert new.cached_tokens == 0
+    if order is AdmissionOrder.LPM:
+        assert again.cached_device == 40, "its prefix stayed in L1: it started before the request that needed the memory"
+    else:
+        assert again.cached_device == 0, "the first request evicted its prefix"
+
+
+def test_the_queue_is_tried_by_cached_tokens_then_arrival_and_one_overtaken_too_often_first():
+    a, b = prompt_of(1, 40), prompt_of(2, 40)
+    with Engine(engine_config(CacheTiers.L1)) as engine:
+        _with_l1_holding(engine, a, b)
+        engine.submit(Request("new", prompt_of(3, 60), 1))
+        engine.submit(Request("part-of-b", b[:20] + [7, 7, 7, 7], 1))
+        engine.submit(Request("all-of-a", a + [7, 7, 7, 7], 1))
+        engine.submit(Request("all-of-b", b + [7, 7, 7, 7], 1))
+        queue = engine.admission
+        queue._order()
+        assert [live.request.rid for live in queue.waiting] == ["all-of-a", "all-of-b", "part-of-b", "new"]
+        queue.waiting[-1].overtaken = admission.OVERTAKEN_MAX
+        queue._order()
+        assert [live.request.rid for live in queue.waiting] == ["new", "all-of-a", "all-of-b", "part-of-b"]
+        engine.serve([])  # (runs them all to the end)
+        again = {r.rid: r for r in engine.take_results()}["all-of-a"]
+    assert again.cached_device == 0, "the request overtaken too often went first and evicted its prefix"
+
+
+def test_each_start_counts_an_overtake_for_every_request_that_arrived_before_it():
+    a, b, c = prompt_of(1, 40), prompt_of(2, 40), prompt_of(3, 40)
+    config = engine_config(CacheTiers.L1, device_pages=30)
+    with Engine(config) as engine:
+        _with_l1_holding(engine, a, b)
+        engine.submit(Request("new", c, 1))  # 10 pages: must wait for the others' memory
+        engine.submit(Request("again-a", a + [7, 7, 7, 7], 2))
+        engine.submit(Request("again-b", b + [7, 7, 7, 7], 2))
+        engine.step()
+        waiting = {live.request.rid: live for live in engine.admission.waiting}
+        running = {live.request.rid for live in engine._running}
+        assert running == {"again-a", "again-b"} and set(waiting) == {"new"}
+        assert waiting["new"].overtaken == 2
+        engine.serve([])

@@ -55,14 +55,15 @@ def test_prompt_longer_than_l3_is_served_from_the_head_l3_kept(tmp_path: Path, l
     storage = {"root": str(tmp_path / "l3"), "capacity_bytes": CAPACITY_PAGES * page_bytes}
     with Engine(engine_config(CacheTiers.L1_L2_L3, storage, layout)) as engine:
         [first] = engine.serve([Request("first", prompt, NEW_TOKENS)])
+        engine.drain()
+        written = engine.metrics.snapshot()["storage_backup_pages"]
         engine.flush_cache()  # L1 and L2 empty: whatever is reused now comes from L3
         assert engine.tree.token_counts() == {"device": 0, "host": 0, "nodes": 0}
         [again] = engine.serve([Request("again", prompt, NEW_TOKENS)])
-        snapshot = engine.metrics.snapshot()
         stored = engine.controller.storage.stats()
 
+    assert written == CAPACITY_PAGES, "the tail beyond the capacity is not written"
     assert again.cached_storage == CAPACITY_PAGES * PAGE_SIZE, "the head that fits in L3 is the hit"
-    assert snapshot["storage_backup_pages"] == CAPACITY_PAGES, "the tail beyond the capacity is not written"
     assert stored["stored_bytes"] <= CAPACITY_PAGES * page_bytes
     for result in (first, again):
         assert result.output_ids == expected.output_ids
