@@ -166,7 +166,7 @@ class Admission:
         def key(live: Live) -> tuple[int, int, int]:
             if live.overtaken >= OVERTAKEN_MAX:
                 return (0, 0, live.arrival)
-            return (1, -self.tree.device_match(self.matchable(live))[1], live.arrival)
+            return (1, -self.tree.device_hit_length(self.matchable(live)), live.arrival)
 
         waiting.sort(key=key)
 

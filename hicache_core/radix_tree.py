@@ -130,18 +130,17 @@ class RadixTree:
             host_node.last_access = now  # the path above it is as recent: see settle_recency
         return MatchResult(device_node, host_length, host_node, root)
 
-    def device_match(self, tokens: Sequence[int]) -> tuple[TreeNode, int]:
-        """How many leading tokens of ``tokens`` are cached on the device, and the deepest node
-        holding them (the root for none; it may hold more than the match). Changes nothing (no
-        split, no access time): for choosing among waiting requests, not for using the match."""
+    def device_hit_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` are cached on the device. Changes nothing (no
+        split, no access time): for ordering waiting requests, not for using the match."""
         node, matched = self._locate(tokens)
         if node is self.root:
-            return node, 0
+            return 0
         if node.device_value is not None:
-            return node, node.end - len(node.key) + matched
+            return node.end - len(node.key) + matched
         while node is not self.root and node.device_value is None:
             node = node.parent  # type: ignore[assignment]  # below the root, every node has a parent
-        return node, node.end
+        return node.end
 
     def resume_point(self, node: TreeNode, *, on_device: bool) -> TreeNode:
         """The deepest node at or above ``node`` whose end every component accepts.
@@ -432,11 +431,8 @@ class RadixTree:
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n
 
-    def unlock(self, node: TreeNode, *, gives_back: bool = True) -> None:
-        """Undo a ``lock``. ``gives_back=False``: nothing could have used the path meanwhile (a
-        lock held only while other requests start), so ``releases`` does not count it."""
-        if gives_back:
-            self.releases += 1
+    def unlock(self, node: TreeNode) -> None:
+        self.releases += 1
         for n in self._path_up(node):
             n.lock_ref -= 1
             assert n.lock_ref >= 0, n

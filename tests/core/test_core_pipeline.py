@@ -330,7 +330,7 @@ def test_a_prompt_goes_to_the_tree_after_its_prefill_and_its_host_copy_starts_wh
     with Engine(engine_config(CacheTiers.L1_L2)) as engine:
         engine.submit(Request("long", first, 12))
         step_until(engine, lambda: bool(engine._running), "the request's start")
-        assert engine.tree.device_match(first)[1] == 40
+        assert engine.tree.device_hit_length(first) == 40
         engine.drain()  # (no step: the request has 11 tokens to go)
         assert engine._running and engine.metrics.snapshot()["host_backup_pages"] == 10
         shared = engine.serve([Request("same-prompt", first + [1, 2, 3, 4], 1)])[0]

@@ -193,3 +193,16 @@ def test_insert_host_attaches_below_the_prefix_and_returns_duplicates():
     assert match.device_hit_length == 4 and match.host_hit_length == 4
     assert tree.insert_host([5, 5, 6, 6], 2, slots(70, 2)) is None, "no prefix [5, 5]: nothing to attach to"
     tree.check_invariants()
+
+
+def test_device_hit_length_is_the_matched_device_prefix_and_changes_nothing():
+    tree = Frees().tree(page_size=2)
+    node = tree.insert(list(range(8)), slots(0, 8)).last_node
+    tree.insert(list(range(4)) + [9, 9], slots(20, 6))  # a branch: the first node now ends at 4
+    before = [(n.end, len(n.key), n.last_access) for n in tree.path(node)]
+    assert tree.device_hit_length(list(range(6)) + [5, 5]) == 6, "inside a node: no split"
+    assert [(n.end, len(n.key), n.last_access) for n in tree.path(node)] == before
+    tree.evict_device(4)  # the deeper half of the path (4 tokens) leaves the device
+    assert tree.device_hit_length(list(range(8))) == 4
+    assert tree.match_prefix(list(range(8))).device_hit_length == 4
+    assert tree.device_hit_length([7, 7]) == 0
