@@ -43,6 +43,7 @@ The multi-turn benchmark that runs this engine (``hicache-storage bench``) is
 
 from hicache_core.controller import ControllerConfig, WritePolicy
 from hicache_core.engine import (
+    AdmissionOrder,
     CacheTiers,
     Engine,
     EngineCapacityError,
@@ -60,6 +61,7 @@ from hicache_core.sessions import SessionTable, SessionTicket
 from hicache_core.tp import TPContext
 
 __all__ = [
+    "AdmissionOrder",
     "CacheMetrics",
     "CacheTiers",
     "ControllerConfig",
