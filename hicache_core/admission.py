@@ -7,8 +7,8 @@ prefetch is not ready by the stop policy is skipped, not waited for; one whose c
 was evicted while it waited fetches it back once; the head of the queue that cannot get device
 memory stops admission until running requests, copies or waiting requests' pins give it back.
 
-The queue is tried in the order ``EngineConfig.admission_order`` sets. ``lpm`` (the default, as
-SGLang's ``--schedule-policy lpm``): the most prompt tokens cached on the device first, then
+The queue is tried in the order ``EngineConfig.admission_order`` sets: ``fcfs`` (the default),
+arrival order; or ``lpm`` (as SGLang's ``--schedule-policy lpm``): the most prompt tokens cached on the device first, then
 arrival. A request whose prefix L1 holds starts before one that would evict that prefix to make
 room, and while it waits for memory the requests after it wait too, so they cannot evict it
 either. In the long-history bench's late rounds four histories of 13,000-15,000 tokens take turns
@@ -17,7 +17,10 @@ still held and all four were recomputed; now those two go first and hit, and the
 for their memory. A request overtaken ``OVERTAKEN_MAX`` times (requests that arrived after it
 started before it) goes before every other, so none waits forever behind better-cached ones; a
 queue longer than ``LPM_WAITING_MAX`` is tried in arrival order (the order costs a lookup per
-waiting request per step). ``fcfs``: arrival order throughout.
+waiting request per step). Not the default yet: under ``lpm`` L1 alone got so much better (the
+long-history bench at h200-7b: 33% -> 69% hit, 17.8 -> 9.2 s) that L1+L2+L3 on the slower
+stores fell behind it (S3 13.0 s), its device hits lost to the L2/L3 paths (copies' locks,
+prefetch pins): issue 27's next step.
 """
 
 from __future__ import annotations

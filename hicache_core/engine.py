@@ -437,10 +437,12 @@ class Engine:
     @property
     def _caches_prompts(self) -> bool:
         """Whether a prompt goes to the tree once prefilled (``_cache_prompt``): for FULL-only
-        models, when an insert starts device -> host copies (every write policy but write-back).
+        models, when an insert starts device -> host copies (every write policy but write-back),
+        under ``AdmissionOrder.LPM`` only (in arrival order it was measured to lose: see
+        ``_cache_prompt``).
         A hybrid model's component state at the prompt's end (a window, a recurrent state) is not
         kept apart from the one its decode steps advance, so its tree takes a request at its end."""
-        return not self.tree.components and self.controller.copies_on_insert
+        return not self.tree.components and self.controller.copies_on_insert and self.config.admission_order is AdmissionOrder.LPM
 
     def _cache_computed_prompts(self) -> None:
         """Cache the prompts whose prefill the modeled GPU has computed, as many as every rank
@@ -470,9 +472,9 @@ class Engine:
         Before, a finished request held its whole context on the device until its copy was
         acknowledged: in the long-history bench at the H200 point with S3 the copies of a round's
         first wave (85 and 186 ms on this machine's cores) held the memory of its second wave.
-        With ``AdmissionOrder.LPM``, file at that point, three runs each: 4.94 -> 4.73 s. (In
-        arrival order it lost: the copies' locks had been keeping the histories L1 held from
-        eviction; see :mod:`hicache_core.admission`.)"""
+        With ``AdmissionOrder.LPM``, file at that point, three runs each: 4.94 -> 4.73 s. In
+        arrival order it lost (S3 13.9 -> 14.6 s): the copies' locks had been keeping the
+        histories L1 held from eviction (see :mod:`hicache_core.admission`)."""
         assert live.own_slots is not None and live.node is not None
         ps = self.config.page_size
         full = len(live.request.tokens) // ps * ps  # every prompt token's KV exists after the prefill

@@ -90,7 +90,7 @@ class EngineConfig:
     revision: str | None = None
     max_running: int = 8
     #: Which waiting request is tried first (see :mod:`hicache_core.admission`).
-    admission_order: AdmissionOrder = AdmissionOrder.LPM
+    admission_order: AdmissionOrder = AdmissionOrder.FCFS
     #: ``None`` runs the reference model; a ModeledCompute sleeps for the modeled cost instead.
     compute: ModeledCompute | None = None
     device: str | None = None

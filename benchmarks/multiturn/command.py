@@ -46,7 +46,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument("--output-length", type=int, default=8, help="generated tokens per round (default: %(default)s)")
     work.add_argument("--max-running", type=int, default=4, help="most requests running at once (default: %(default)s)")
     work.add_argument(
-        "--admission-order", default="lpm", choices=["lpm", "fcfs"],
+        "--admission-order", default="fcfs", choices=["fcfs", "lpm"],
         help="which waiting request is tried first: the most prompt tokens cached on the device (lpm, as SGLang's "
         "--schedule-policy) or the first to arrive (default: %(default)s)",
     )

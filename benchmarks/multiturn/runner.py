@@ -86,7 +86,7 @@ class BenchConfig:
     layout: str = "page_first"
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     stop_policy: StopPolicy = PrefetchConfig.stop_policy
-    admission_order: AdmissionOrder = AdmissionOrder.LPM
+    admission_order: AdmissionOrder = AdmissionOrder.FCFS
     prefetch_threshold: int = 256
     #: Which stored pages a prefetch loads (the cost model's, or all: see hicache_storage.cost).
     load_policy: LoadPolicy = LoadPolicy.COST

@@ -6,7 +6,7 @@
 * ``write_through_selective`` backs up a prompt sent again and again (no new page each time).
 * A host pool smaller than a prompt still gets (and stores) the prompt's head, with a warning.
 * The admission order: a request whose prefix L1 holds starts before one that would evict it
-  (``lpm``, the default; ``fcfs`` keeps arrival order), and one overtaken too often goes first;
+  (``lpm``; ``fcfs``, the default, keeps arrival order), and one overtaken too often goes first;
   each start counts an overtake for the requests that arrived before it.
 """
 
@@ -168,7 +168,7 @@ def _with_l1_holding(engine: Engine, *prompts: list[int]) -> None:
 
 @pytest.mark.parametrize("order", list(AdmissionOrder))
 def test_a_request_whose_prefix_l1_holds_starts_before_one_that_would_evict_it(order):
-    """``lpm`` (the default): a request queued behind one that must evict to start, whose own
+    """``lpm``: a request queued behind one that must evict to start, whose own
     prefix L1 holds, starts first and hits. ``fcfs``: the first request evicts both prefixes L1
     holds, the one the second needs too."""
     a, b, c = prompt_of(1, 40), prompt_of(2, 40), prompt_of(3, 60)
@@ -185,7 +185,7 @@ def test_a_request_whose_prefix_l1_holds_starts_before_one_that_would_evict_it(o
 
 def test_the_queue_is_tried_by_cached_tokens_then_arrival_and_one_overtaken_too_often_first():
     a, b = prompt_of(1, 40), prompt_of(2, 40)
-    with Engine(engine_config(CacheTiers.L1)) as engine:
+    with Engine(engine_config(CacheTiers.L1, admission_order=AdmissionOrder.LPM)) as engine:
         _with_l1_holding(engine, a, b)
         engine.submit(Request("new", prompt_of(3, 60), 1))
         engine.submit(Request("part-of-b", b[:20] + [7, 7, 7, 7], 1))
@@ -204,7 +204,7 @@ def test_the_queue_is_tried_by_cached_tokens_then_arrival_and_one_overtaken_too_
 
 def test_each_start_counts_an_overtake_for_every_request_that_arrived_before_it():
     a, b, c = prompt_of(1, 40), prompt_of(2, 40), prompt_of(3, 40)
-    config = engine_config(CacheTiers.L1, device_pages=30)
+    config = engine_config(CacheTiers.L1, device_pages=30, admission_order=AdmissionOrder.LPM)
     with Engine(config) as engine:
         _with_l1_holding(engine, a, b)
         engine.submit(Request("new", c, 1))  # 10 pages: must wait for the others' memory
