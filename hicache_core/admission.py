@@ -8,8 +8,8 @@ was evicted while it waited fetches it back once; the head of the queue that can
 memory stops admission until running requests, copies or waiting requests' pins give it back.
 
 The queue is tried in the order ``EngineConfig.admission_order`` sets: ``fcfs`` (the default),
-arrival order; or ``lpm`` (as SGLang's ``--schedule-policy lpm``): the most prompt tokens cached on the device first, then
-arrival. A request whose prefix L1 holds starts before one that would evict that prefix to make
+arrival order; or ``lpm`` (as SGLang's ``--schedule-policy lpm``): the most prompt tokens cached
+on the device first, then arrival. A request whose prefix L1 holds starts before one that would evict that prefix to make
 room, and while it waits for memory the requests after it wait too, so they cannot evict it
 either. In the long-history bench's late rounds four histories of 13,000-15,000 tokens take turns
 in a 32,768-token L1: in arrival order the round's first two requests evicted the two histories L1
@@ -174,11 +174,13 @@ class Admission:
         waiting.sort(key=key)
 
     def _move_to_running(self, live: Live) -> None:
-        """A request started: it runs, and overtook every waiting request that arrived before it."""
+        """A request started: it runs (under ``lpm``, having overtaken every waiting request that
+        arrived before it)."""
         self.waiting.remove(live)
-        for other in self.waiting:
-            if other.arrival < live.arrival:
-                other.overtaken += 1
+        if self.config.admission_order is AdmissionOrder.LPM:
+            for other in self.waiting:
+                if other.arrival < live.arrival:
+                    other.overtaken += 1
         self.running.append(live)
 
     def _refetch_early(self, live: Live) -> None:

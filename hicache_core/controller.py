@@ -557,7 +557,7 @@ class CacheController:
     @property
     def copies_on_insert(self) -> bool:
         """Whether an insert may start device -> host copies (every write policy but write-back)."""
-        return self.host_writer is not None and self.config.write_policy is not WritePolicy.WRITE_BACK
+        return self.host_writer is not None and not self._write_back_to_host
 
     @property
     def _write_back_to_host(self) -> bool:
