@@ -19,8 +19,9 @@ started before it) goes before every other, so none waits forever behind better-
 queue longer than ``LPM_WAITING_MAX`` is tried in arrival order (the order costs a lookup per
 waiting request per step). Not the default yet: under ``lpm`` L1 alone got so much better (the
 long-history bench at h200-7b: 33% -> 69% hit, 17.8 -> 9.2 s) that L1+L2+L3 on the slower
-stores fell behind it (S3 13.0 s), its device hits lost to the L2/L3 paths (copies' locks,
-prefetch pins): issue 27's next step.
+stores fell behind it (S3 13.0 s; 10.6 s, Redis 9.7 s, once requests stopped waiting for
+lookups that found nothing: ``CostModel.lookup_pays``), its device hits lost to the L2/L3
+paths (copies' locks, prefetch pins): issue 27's next step.
 """
 
 from __future__ import annotations

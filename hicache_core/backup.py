@@ -74,6 +74,7 @@ class StorageBackup:
         pin_cap: PinCap,
         *,
         stored: PageSet,
+        writing: PageSet | None = None,
         cost: CostModel,
         page_tokens: int,
         reads_pending: Callable[[], bool],
@@ -84,6 +85,8 @@ class StorageBackup:
         self.suspects = suspects
         #: The FULL pool's pages known stored (the prefetcher's record; see ``Prefetcher.stored``).
         self.stored = stored
+        #: The FULL pool's pages of the ops submitted and not taken back (``Prefetcher.writing``).
+        self.writing = writing if writing is not None else PageSet()
         self.pin_cap = pin_cap
         self.cost = cost
         self.page_tokens = page_tokens
@@ -116,7 +119,9 @@ class StorageBackup:
             if all(pages.allocator is not known for known in self._allocators):
                 self._allocators.append(pages.allocator)
         self.outstanding += 1
-        self.queued_pages += len(op.pools[0].hashes) if op.pools else 0
+        if op.pools:
+            self.queued_pages += len(op.pools[0].hashes)
+            self.writing.add(op.pools[0].hashes)
         self._thread.put(op)
 
     def acknowledged(self) -> int:
@@ -127,7 +132,9 @@ class StorageBackup:
         """The next completed op (one is ``acknowledged``)."""
         self.outstanding -= 1
         op = self._acks.get()
-        self.queued_pages -= len(op.pools[0].hashes) if op.pools else 0
+        if op.pools:
+            self.queued_pages -= len(op.pools[0].hashes)
+            self.writing.forget(op.pools[0].hashes)
         return op
 
     def _serve(self, store: MultiPoolStore, health: StorageHealth, writer: bool, op: BackupOp) -> None:

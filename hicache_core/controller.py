@@ -203,6 +203,7 @@ class CacheController:
                 self.prefetcher.suspects,
                 self.prefetcher.pin_cap,
                 stored=self.prefetcher.stored,
+                writing=self.prefetcher.writing,
                 cost=self.cost,
                 page_tokens=self.page_size,
                 reads_pending=self.prefetcher.reads_pending,

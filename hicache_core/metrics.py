@@ -60,6 +60,9 @@ class CacheCounters:
     #: prefetches whose lookup this engine answered itself: every page asked was one it wrote or
     #: read, on a store that drops nothing on its own (see ``Prefetcher._known_leading``)
     prefetch_lookups_known: int = 0
+    #: prefetches whose store was not asked about the pages this engine did not know stored:
+    #: recent lookups found such pages too seldom to be worth waiting for (``CostModel.lookup_pays``)
+    prefetch_lookups_unlikely: int = 0
     #: prefetches stopped because the pages still to come would arrive after computing them
     prefetch_stopped_by_cost: int = 0
     #: prefetches never issued (no host slots) whose request computed instead, having waited as

@@ -206,6 +206,8 @@ class Prefetcher:
         #: Pages this engine stored or read: known to be in the store without asking it (what a
         #: prefetch the cost model declined without a lookup would have found, at least).
         self.stored = PageSet(capacity=STORED_PAGES_REMEMBERED)
+        #: Pages handed to this engine's backups and not taken back yet (``StorageBackup``).
+        self.writing = PageSet(capacity=STORED_PAGES_REMEMBERED)
         #: The store keeps what it is given until it is deleted (no ``evicts`` capability): a page
         #: this engine wrote or read is there without asking (``_known_leading``).
         self._keeps_pages = False
@@ -571,7 +573,7 @@ class Prefetcher:
         lead = len(op.lead_hashes)
         # A store given up finds nothing (no call); the op is still reduced and revoked like a miss.
         skip = op.terminate.is_set() or health.failed
-        most = 0 if skip else self._most_worth_loading(op)
+        most, saved_s = (0, None) if skip else self._most_worth_loading(op)
         declined = not skip and most * self.page_size < self.config.threshold_tokens
         asked = op.lead_hashes + op.hashes[:most]
         known_lead = 0 if skip or declined else self._known_leading(op, most)
@@ -580,9 +582,15 @@ class Prefetcher:
         elif 0 < most == known_lead:
             local_hit = most
             self.metrics.add(prefetch_lookups_known=1)
+        elif (others := self._others_pages(op, known_lead)) and not self.cost.lookup_pays(saved_s):
+            local_hit = known_lead
+            self.metrics.add(prefetch_lookups_unlikely=1)
         else:  # asked from the first page not known stored
             held = lead + known_lead
+            began = time.monotonic()
             local_hit = guarded_call(self.metrics, lambda: store.restorable_pages(asked, held=held) - lead, 0, "exists", health=health)
+            if others:
+                self.cost.record_lookup(time.monotonic() - began, found=local_hit > known_lead)
         known = self.stored.leading(op.hashes) if declined or local_hit == most else 0
         # Every rank reduces every op, in issue order, even a terminated one: collectives must pair up.
         op.hit_pages = hit = self.tp.prefetch.all_min(local_hit)
@@ -619,16 +627,30 @@ class Prefetcher:
             return 0
         return self.stored.leading(op.hashes[:pages])
 
-    def _most_worth_loading(self, op: PrefetchOp) -> int:
+    def _others_pages(self, op: PrefetchOp, known_lead: int) -> bool:
+        """Whether a lookup from page ``known_lead`` of ``op`` on asks only about pages another
+        engine would have written: this one neither stored the first of them nor has it queued
+        for a backup (its pages, the last turn's backup still being written, are found by the
+        lookup; on a store that may evict, pages it stored are asked about too). Those lookups
+        are the ones ``CostModel.lookup_pays`` weighs. A hybrid model's lookup is never one: it
+        asks about every pool."""
+        if self.components or known_lead >= op.pages:
+            return False
+        first = op.hashes[known_lead]
+        return first not in self.stored and first not in self.writing
+
+    def _most_worth_loading(self, op: PrefetchOp) -> tuple[int, float | None]:
         """The pages of ``op`` the cost model would load if the store held every one (all of them
-        for a hybrid model: where its load may stop is known only from the store's answer)."""
+        for a hybrid model: where its load may stop is known only from the store's answer), and
+        how much sooner that plan finishes than computing them (``None``: not known)."""
         if self.components:
-            return op.pages
+            return op.pages, None
         with self._reads_lock:
             queued = self._reads_queued
-        return self.cost.pages_to_load(
+        plan = self.cost.pages_to_load(
             op.request_id, op.pages, page_bytes=self.host.page_bytes, page_tokens=self.page_size, reads_ahead_bytes=queued * self.host.page_bytes
-        ).pages
+        )
+        return plan.pages, plan.saved_s
 
     def _planned_pages(self, store: MultiPoolStore, health: StorageHealth, op: PrefetchOp, chain: list[str], lead: int, hit: int) -> int:
         """How many of the ``hit`` pages the store answered for to read: those the cost model

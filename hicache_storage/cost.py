@@ -156,6 +156,9 @@ class LoadPlan:
     #: request, and of reads queued ahead of its own.
     device_ahead_s: float
     reads_ahead_s: float
+    #: Seconds the request finishes sooner with this plan than computing every stored page
+    #: (``None``: not known, with :attr:`LoadPolicy.ALL` or a leg not timed).
+    saved_s: float | None = None
 
     @property
     def recomputed_pages(self) -> int:
@@ -184,6 +187,9 @@ class CostModel:
         self._queue: OrderedDict[Hashable, _Queued] = OrderedDict()
         #: Stored pages recent plans were offered and loaded (decayed sums, like a leg's fit).
         self._offered = self._loaded = 0.0
+        #: Lookups of pages the engine did not know stored (decayed sums, like a leg's fit):
+        #: those made, those that found any such page, and their seconds.
+        self._lookups = self._lookups_found = self._lookup_s = 0.0
         #: When the work already started on the engine's accelerator ends (a callable, so an
         #: engine can report it live); 0 for an engine that computes synchronously.
         self.busy_for_s: Callable[[], float] = lambda: 0.0
@@ -309,8 +315,8 @@ class CostModel:
         read_fit = self._fresh_fit(self.reads)
         reads_ahead = 0.0 if read_fit is None else reads_ahead_bytes * read_fit[1]
 
-        def plan(pages: int) -> LoadPlan:
-            return LoadPlan(pages, stored_pages, load, compute, ahead, reads_ahead)
+        def plan(pages: int, saved_s: float | None = None) -> LoadPlan:
+            return LoadPlan(pages, stored_pages, load, compute, ahead, reads_ahead, saved_s)
 
         if self.config.policy is LoadPolicy.ALL or stored_pages <= 0 or load is None or compute is None:
             return plan(max(0, stored_pages))
@@ -341,7 +347,8 @@ class CostModel:
             # ``finish`` charges for it (the one page the balance point would leave to the
             # compute is, for a hybrid model, every page back to the cut before)
             candidates.update(cut for cut in cuts if 0 < cut < stored_pages)
-            return plan(min(candidates, key=lambda pages: (finish(pages), -pages)))
+            best = min(candidates, key=lambda pages: (finish(pages), -pages))
+            return plan(best, finish(0) - finish(best))
         computing = new_s + stored_pages * compute
         first = reads_ahead + latency  # (the read's own start, when it loads anything)
         pieces = [
@@ -357,7 +364,7 @@ class CostModel:
                     candidates.update(min(stored_pages, max(0, bound)) for bound in (math.floor(point), math.ceil(point)))
         # the most pages among the quickest: a tie is better spent on what is stored
         best = min(candidates, key=lambda pages: (finish(pages), -pages))
-        return plan(best)
+        return plan(best, finish(0) - finish(best))
 
     def note_plan(self, stored_pages: int, loaded_pages: int) -> None:
         """What a plan the engine acted on chose: ``loaded_pages`` of the ``stored_pages`` it could
@@ -369,6 +376,36 @@ class CostModel:
         with self._lock:
             self._offered = self._offered * decay + stored_pages
             self._loaded = self._loaded * decay + min(loaded_pages, stored_pages)
+
+    def record_lookup(self, seconds: float, *, found: bool) -> None:
+        """A lookup of pages only another engine could have written took ``seconds``;
+        ``found``: the store held some of them."""
+        if not seconds >= 0 or not math.isfinite(seconds):
+            return
+        decay = 1.0 - self.config.smoothing
+        with self._lock:
+            self._lookups = self._lookups * decay + 1.0
+            self._lookups_found = self._lookups_found * decay + float(found)
+            self._lookup_s = self._lookup_s * decay + seconds
+
+    def lookup_pays(self, saved_s: float | None) -> bool:
+        """Whether a request should wait for a lookup of pages only another engine could have
+        written (the engine neither stored them nor queued them for a backup: mostly a
+        conversation's new turn), for a plan that finishes ``saved_s`` sooner if the store holds
+        them: yes when the share of recent such lookups that found any (with one more counted
+        as found, so a store that starts holding others' pages is noticed by the larger plans)
+        times ``saved_s`` is at least a lookup's mean time. With one engine per store at the
+        long-history bench's H200 point every request waited for such a lookup and none found
+        anything; skipping them, S3 went 13.9 -> 12.0 s (docs/load-or-recompute.md). Always with
+        :attr:`LoadPolicy.ALL`, before any lookup was timed, or when ``saved_s`` is not known."""
+        if not self.adaptive or saved_s is None:
+            return True
+        with self._lock:
+            if self._lookups == 0.0:
+                return True
+            share = (self._lookups_found + 1.0) / (self._lookups + 1.0)
+            mean_s = self._lookup_s / self._lookups
+        return share * saved_s >= mean_s
 
     def load_share(self, page_bytes: int, page_tokens: int) -> float:
         """The share of what requests want from L3 that loads take, which a backup's worth

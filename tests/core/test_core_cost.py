@@ -420,6 +420,27 @@ def test_a_backup_never_rests_while_an_allocation_waits_for_pages_it_pins():
     assert not waiter.is_alive() and not allocator.awaited
 
 
+def test_pages_handed_to_a_backup_are_writing_until_the_op_is_taken_back():
+    """A lookup about pages the engine's own backup is writing is not one about other engines'
+    pages (``Prefetcher._others_pages``): the backup marks them from ``submit`` until the
+    scheduler takes the completed op back. (The thread is never started; the op is acknowledged
+    by hand.)"""
+    allocator = PageAllocator(num_pages=2, page_size=PAGE)
+    slots = allocator.alloc(2 * PAGE)
+    assert slots is not None
+    writing = PageSet()
+    backup = StorageBackup(
+        CacheMetrics(), 4, PageSet(), PinCap(allocator, None), stored=PageSet(), writing=writing, cost=CostModel(), page_tokens=PAGE,
+        reads_pending=lambda: False,
+    )
+    op = BackupOp(node=None, begin=0, pools=[PoolPages("kv", ["a", "b"], [], slots, allocator)])  # type: ignore[arg-type]
+    backup.submit(op)
+    assert writing.leading(["a", "b", "c"]) == 2 and backup.queued_pages == 2
+    backup._acks.put(op)
+    assert backup.take() is op
+    assert writing.leading(["a", "b"]) == 0 and backup.queued_pages == 0
+
+
 # --- a prefetch short of host slots -------------------------------------------------------------
 
 
@@ -489,3 +510,27 @@ def test_a_request_computes_rather_than_wait_for_host_slots_hung_backups_hold():
         faults.release_hangs()
         faults.pause()
         engine.close()
+
+
+def test_lookups_that_never_find_new_pages_stop_being_waited_for():
+    """Each request brings a prompt no engine stored. The first asks the store (its lookups take
+    0.05 s here) and finds nothing; a 10-page plan saves 29 ms (computing 10 pages against reading
+    them), half of which is less than a lookup's time, so the next ones compute without asking.
+    The pages the engine wrote itself are still read without a lookup, and outputs stay those
+    of no cache."""
+    prompts = [prompt(60 + seed, 41) for seed in range(4)]
+    requests = [Request(f"new-{i}", p, NEW_TOKENS) for i, p in enumerate(prompts)]
+    expected = uncached(requests + [Request("again", prompts[0], NEW_TOKENS)])
+    store = f"cost-{uuid.uuid4().hex}"
+    faults = FaultInjectionLayer(MemoryBackend({"store": store}), {"exists": {"latency_rate": 1.0, "latency_seconds": 0.05}})
+    config = dataclasses.replace(engine_config(CacheTiers.L1_L2_L3, store), storage_backend=None, storage_config=None)
+    with Engine(config, storage=faults) as engine:
+        got = [engine.serve([request])[0] for request in requests]
+        counters = engine.metrics.snapshot()
+        assert counters["prefetch_lookups_unlikely"] == len(requests) - 1 and counters["prefetch_revoked"] == len(requests)
+        engine.drain()
+        engine.flush_cache()
+        got += engine.serve([Request("again", prompts[0], NEW_TOKENS)])
+        counters = engine.metrics.snapshot()
+    assert_identical(expected, got)
+    assert got[-1].cached_storage == WHOLE and counters["prefetch_lookups_known"] == 1

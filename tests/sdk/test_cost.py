@@ -527,3 +527,36 @@ def test_load_share_before_any_plan_is_compute_over_load_then_what_plans_loaded(
     assert model.load_share(page_bytes=1000, page_tokens=1) == pytest.approx(55 / 150)
     model.note_plan(0, 0)  # nothing wanted from L3: no evidence either way
     assert model.load_share(page_bytes=1000, page_tokens=1) == pytest.approx(55 / 150)
+
+
+# --- lookups of pages the engine does not know stored ------------------------------------------
+
+
+def test_a_plan_says_how_much_sooner_it_finishes_than_computing_every_stored_page():
+    # Idle engine, fast store: 100 pages computed take 100/256 s, read 100/1024 s.
+    assert plan(given(read=FAST_READ)).saved_s == 100 / 256 - 100 / 1024
+    assert plan(given()).saved_s == 0.0, "a slow store on an idle engine: nothing loaded, nothing saved"
+    assert plan(given(read=None)).saved_s is None, "reads not timed: not known"
+    assert plan(given(policy=LoadPolicy.ALL)).saved_s is None
+
+
+def test_a_lookup_is_waited_for_while_the_share_that_found_pages_pays_for_its_time():
+    model = given(read=FAST_READ, smoothing=0.5)
+    assert model.lookup_pays(0.0) and model.lookup_pays(None), "no lookup timed yet: ask"
+    model.record_lookup(0.125, found=False)  # share (0 + 1) / (1 + 1), a lookup 0.125 s
+    assert model.lookup_pays(0.25) and not model.lookup_pays(0.24)
+    model.record_lookup(0.125, found=False)  # (0 + 1) / (1.5 + 1)
+    assert model.lookup_pays(0.32) and not model.lookup_pays(0.3)
+    assert model.lookup_pays(None), "a plan whose gain is not known still asks"
+    model.record_lookup(0.125, found=True)  # (1 + 1) / (1.75 + 1): a found page makes asking pay again
+    assert model.lookup_pays(0.18) and not model.lookup_pays(0.17)
+
+
+def test_lookups_always_pay_under_load_policy_all_and_bad_timings_are_ignored():
+    every = given(policy=LoadPolicy.ALL)
+    every.record_lookup(10.0, found=False)
+    assert every.lookup_pays(0.0)
+    model = given(read=FAST_READ)
+    for seconds in (-1.0, math.nan, math.inf):
+        model.record_lookup(seconds, found=False)
+    assert model.lookup_pays(0.0), "no lookup was recorded"
