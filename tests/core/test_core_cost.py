@@ -10,6 +10,8 @@ speeds given in ``CostConfig`` so that every plan is the same on any machine, an
 * While the store is the slow leg, write-through backs up only what was hit again, and the
   backup thread rests between puts, but never while an allocation waits for pages it pins.
 * A prefetch that cannot get host slots is waited for no longer than computing its pages takes.
+* Lookups of pages only another engine could have written stop being waited for once they find
+  nothing; the pages a backup is still writing are not among those.
 
 Outputs stay bit-identical to no cache throughout: a page recomputed has the KV a page loaded has.
 The speeds: pages of 4 tokens and 1 KiB (the model below), compute 1,024 tokens/s (a page in

@@ -1,6 +1,7 @@
 """The cost model (hicache_storage.cost): its rate fits, its load plans, the compute queue it
-plans with, when it stops waiting, when the store is the slow leg, and what it forgets. A fake
-clock and speeds chosen so that every figure is exact in binary: each plan is computed by hand.
+plans with, when it stops waiting, when the store is the slow leg, when a lookup is worth waiting
+for, and what it forgets. A fake clock and speeds chosen so that every figure is exact in binary:
+each plan is computed by hand.
 
 The speeds most tests give: pages of 4 tokens and 1 KiB; compute 1,024 tokens/s (a page in
 1/256 s); a slow store reads 64 KiB/s (a page in 1/64 s, 4 pages of compute), a fast one 1 MiB/s
@@ -529,7 +530,7 @@ def test_load_share_before_any_plan_is_compute_over_load_then_what_plans_loaded(
     assert model.load_share(page_bytes=1000, page_tokens=1) == pytest.approx(55 / 150)
 
 
-# --- lookups of pages the engine does not know stored ------------------------------------------
+# --- lookups of pages only another engine could have written ----------------------------------
 
 
 def test_a_plan_says_how_much_sooner_it_finishes_than_computing_every_stored_page():
