@@ -60,7 +60,7 @@ class CacheCounters:
     #: prefetches whose lookup this engine answered itself: every page asked was one it wrote or
     #: read, on a store that drops nothing on its own (see ``Prefetcher._known_leading``)
     prefetch_lookups_known: int = 0
-    #: prefetches whose store was not asked about the pages this engine did not know stored:
+    #: prefetches whose store was not asked about pages only another engine could have written:
     #: recent lookups found such pages too seldom to be worth waiting for (``CostModel.lookup_pays``)
     prefetch_lookups_unlikely: int = 0
     #: prefetches stopped because the pages still to come would arrive after computing them
