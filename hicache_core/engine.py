@@ -56,7 +56,7 @@ from hicache_core.sessions import SessionTable
 from hicache_core.token_sequence import TokenSequence
 from hicache_core.tp import TPContext
 from hicache_core.transfer import LayerLoad
-from hicache_core.tree_node import MatchResult, TreeNode
+from hicache_core.tree_node import InsertResult, MatchResult, TreeNode
 
 #: How long before the modeled device runs out of queued work the scheduler queues the next
 #: decode step while requests wait to start.
@@ -482,16 +482,24 @@ class Engine:
         if full <= prefix:
             return
         own = live.own_slots
-        inserted = self.tree.insert(live.sequence.prefix(full), live.context(full))
-        duplicate = max(inserted.duplicate_length - prefix, 0)
-        if duplicate:
-            self.device_pool.allocator.free(own[:duplicate])
+        inserted = self._insert_computed(live, full)
         self.tree.move_lock(live.node, inserted.last_node)
         live.node = inserted.last_node
         live.prefix_slots = self.tree.device_slots(inserted.last_node)
         live.own_slots = own[full - prefix :]
         live.cached_prompt = full
         self.controller.on_insert(inserted)
+
+    def _insert_computed(self, live: Live, full: int) -> InsertResult:
+        """Give the tree ``live``'s first ``full`` tokens (whole pages whose KV exists) and free
+        the request's own copy of the pages the tree already held on the device. Its prompt's
+        pages, when the tree took them after the prefill (``cached_prompt``), get no second hit."""
+        assert live.own_slots is not None
+        inserted = self.tree.insert(live.sequence.prefix(full), live.context(full), counted=live.cached_prompt)
+        duplicate = max(inserted.duplicate_length - live.prefix_len, 0)
+        if duplicate:
+            self.device_pool.allocator.free(live.own_slots[:duplicate])
+        return inserted
 
     def _cache(self, live: Live) -> None:
         """Insert the whole pages whose KV was computed; free the request's other slots."""
@@ -503,13 +511,7 @@ class Engine:
         keep_until = max(full - prefix, 0)
         # Insert even when no page is new: the insert counts the hit that write_through_selective
         # backs up on, so a prompt sent again and again still reaches the host and storage.
-        if full > 0:
-            inserted = self.tree.insert(live.sequence.prefix(full), live.context(full), counted=live.cached_prompt)
-            duplicate = max(inserted.duplicate_length - prefix, 0)
-            if duplicate:
-                self.device_pool.allocator.free(own[:duplicate])
-        else:
-            inserted = None
+        inserted = self._insert_computed(live, full) if full > 0 else None
         if own.numel() > keep_until:
             self.device_pool.allocator.free(own[keep_until:])
         if inserted is not None:
