@@ -62,6 +62,8 @@ from hicache_storage.layers import FaultInjectionLayer, IntegrityLayer
 #: The tiny real model (deterministic on the CPU) the soak and the fault matrix run.
 MODEL = ModelConfig(vocab_size=256, hidden=32, layers=2, q_heads=4, kv_heads=2, head_dim=8, ffn=64, seed=21)
 STALL_EXIT_CODE = 3
+#: How long the store's levels may stay open after the engine closed and injected hangs were released.
+STORE_CLOSE_WAIT_S = 10.0
 
 #: The cost model of :func:`tiny_engine_config`: every page written and every stored page read
 #: (``LoadPolicy.ALL``, SGLang's behaviour). What that engine checks is that each page comes back
@@ -134,6 +136,7 @@ class SoakReport:
     integrity_misses: int = 0
     engine_counters: dict[str, float] = field(default_factory=dict)
     threads_alive: bool = True
+    store_closed: bool = False
     growth: dict[str, int] = field(default_factory=dict)
     warmup_peak: dict[str, int] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
@@ -291,15 +294,33 @@ def run_soak(config: SoakConfig, report_path: Path | None = None) -> SoakReport:
                 report.engine_counters = engine.metrics.snapshot()
                 report.faults = {k: v for k, v in faults.event_counts().items() if k.startswith("faults_")}
                 report.integrity_misses = sum(v for k, v in integrity.event_counts().items() if k.startswith("integrity_miss"))
+            # The engine is closed, but a call it gave up on may still hang in an injected fault and
+            # then write into ``scratch``: let it go on now, and wait for the stack's late close.
+            faults.release_hangs()
+            report.store_closed = _wait_closed(faults, STORE_CLOSE_WAIT_S)
         finally:
+            faults.release_hangs()
             watchdog.stop()
         report.seconds = round(time.monotonic() - started, 1)
     _check(report, config)
     return report
 
 
+def _wait_closed(stack: FaultInjectionLayer, seconds: float) -> bool:
+    """Whether every level of ``stack`` was closed within ``seconds`` (the engine's timeout layer
+    closes them once the last call it abandoned has returned)."""
+    deadline = time.monotonic() + seconds
+    while not all(level.closed for level in stack.levels()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _check(report: SoakReport, config: SoakConfig) -> None:
     failures = report.failures
+    if not report.store_closed:
+        failures.append(f"the store was still open {STORE_CLOSE_WAIT_S:g}s after the engine closed and its hangs were released")
     if report.wrong_tokens or report.wrong_logits:
         failures.append(f"{report.wrong_tokens} wrong tokens, {report.wrong_logits} requests with wrong logits")
     if not report.threads_alive:
