@@ -294,13 +294,12 @@ def run_soak(config: SoakConfig, report_path: Path | None = None) -> SoakReport:
                 report.engine_counters = engine.metrics.snapshot()
                 report.faults = {k: v for k, v in faults.event_counts().items() if k.startswith("faults_")}
                 report.integrity_misses = sum(v for k, v in integrity.event_counts().items() if k.startswith("integrity_miss"))
-            # The engine is closed, but a call it gave up on may still hang in an injected fault and
-            # then write into ``scratch``: let it go on now, and wait for the stack's late close.
-            faults.release_hangs()
-            report.store_closed = _wait_closed(faults, STORE_CLOSE_WAIT_S)
         finally:
+            # The engine is closed, but a call it gave up on may still hang in an injected fault
+            # and then write into ``scratch``: let it go on now, and wait for the stack's late close.
             faults.release_hangs()
             watchdog.stop()
+        report.store_closed = _wait_closed(faults, STORE_CLOSE_WAIT_S)
         report.seconds = round(time.monotonic() - started, 1)
     _check(report, config)
     return report
