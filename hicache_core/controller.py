@@ -316,7 +316,8 @@ class CacheController:
         def evict(tokens: int) -> None:
             self.metrics.add(host_evicted_tokens=self.tree.evict_host(tokens))
 
-        return self.host.allocator.alloc_evicting(num_tokens, evict)
+        # Evict rather than wait for the backups pinning freed pages (see ``alloc_evicting``).
+        return self.host.allocator.alloc_evicting(num_tokens, evict, self.tp.scheduler.all_max)
 
     # --- writes: device -> host -> storage ----------------------------------------------------
 

@@ -225,6 +225,35 @@ def test_host_pages_under_a_hung_read_are_never_reused():
         controller.close()
 
 
+def test_a_host_allocation_evicts_rather_than_wait_for_a_backup_pinning_freed_pages():
+    """Pages of a node deleted while its storage backup is queued are freed under the backup's
+    pins: they count as free, and taking them means waiting for the backup (behind a slow
+    write-through queue, up to a second of the scheduler thread). The controller's host
+    allocations (prefetch reservations, device -> host copies) evict cached pages instead."""
+    controller = make_controller(device_pages=16, host_pages=8)
+    try:
+        insert(controller, list(range(4)))  # write-through: a host copy in 4 of the 8 host pages
+        controller.drain()
+        host = controller.host.allocator
+        detached = host.alloc(4)
+        assert detached is not None
+        host.pin_io(detached)  # its backup is still writing it
+        host.free(detached)
+        assert host.idle_pages == 0 and host.free_pages == 4
+        got: list[torch.Tensor | None] = []
+        caller = threading.Thread(target=lambda: got.append(controller.alloc_host(4)), daemon=True)
+        caller.start()
+        caller.join(HANG_GUARD_POLLS * 0.01)  # a guard against a hang, never a timing assertion
+        waited = caller.is_alive()
+        host.unpin_io(detached)  # the backup returns (and frees a waiting caller)
+        caller.join(HANG_GUARD_POLLS * 0.01)
+        assert not waited, "the allocation waited for the backup although a cached host copy could go"
+        assert got and got[0] is not None
+        assert controller.metrics.snapshot()["host_evicted_tokens"] == 4, "the cached host copy was evicted for it"
+    finally:
+        controller.close()
+
+
 def test_the_default_storage_stack_is_zero_copy_and_bounds_a_hung_read_by_its_pages():
     """The controller's timeout is zero-copy: the store reads straight into host pages. A read
     that times out may still land in them, so they stay out of the allocator (not even counted

@@ -66,6 +66,57 @@ def test_pinned_page_is_not_reused_until_io_finishes():
     assert set(got[0].tolist()) == set(slots[:2].tolist())
 
 
+def test_alloc_evicting_with_agreement_evicts_instead_of_waiting_for_io_on_freed_pages():
+    """Pages freed under I/O count as free, and a plain allocation of them waits for the I/O
+    (a storage backup: up to a second behind a slow write-through queue). Given ``agree``, the
+    shortfall is counted against the pages free now and evicted (the agreed count: every TP rank
+    evicts the same), so the caller gets pages at once."""
+    alloc = PageAllocator(num_pages=4, page_size=2)
+    under_io, cached = alloc.alloc(4), alloc.alloc(4)
+    assert under_io is not None and cached is not None
+    alloc.pin_io(under_io)
+    alloc.free(under_io)  # a deleted node whose backup is still writing
+    assert alloc.free_pages == 2 and alloc.idle_pages == 0
+    evicted: list[int] = []
+
+    def evict(tokens: int) -> None:
+        evicted.append(tokens)
+        alloc.free(cached)  # the tree drops a cached page set nothing uses
+
+    asked: list[int] = []
+    got: list[torch.Tensor | None] = []
+    caller = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evict, lambda short: asked.append(short) or short)))
+    caller.start()
+    caller.join(5.0)  # a guard against a hang, never a timing assertion
+    assert not caller.is_alive(), "the allocation waited for the I/O although eviction could free pages"
+    assert asked == [2] and evicted == [4], "the shortfall of pages free now, agreed, then evicted"
+    assert got[0] is not None and set(got[0].tolist()) == set(cached.tolist())
+
+    # Another rank short: this one evicts the agreed count although its own pages sufficed.
+    alloc = PageAllocator(num_pages=4, page_size=2)
+    evicted.clear()
+    assert alloc.alloc_evicting(2, evicted.append, lambda short: max(short, 1)) is not None
+    assert evicted == [2], "every rank evicts what the most short rank needs, so their trees stay the same"
+
+    # Without agreement the old rule holds: pages freed under I/O count, and the allocation waits.
+    alloc = PageAllocator(num_pages=2, page_size=2)
+    under_io = alloc.alloc(4)
+    assert under_io is not None
+    alloc.pin_io(under_io)
+    alloc.free(under_io)
+    evicted.clear()
+    waiter = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evicted.append)))
+    waiter.start()
+    for _ in range(500):
+        if alloc.awaited:
+            break
+        waiter.join(0.01)
+    assert alloc.awaited and not evicted, "nothing evicted: it waits for the pages under I/O"
+    alloc.unpin_io(under_io)
+    waiter.join(5.0)
+    assert not waiter.is_alive() and got[-1] is not None
+
+
 # --- host pool ----------------------------------------------------------------------------------
 
 
