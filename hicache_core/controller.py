@@ -36,6 +36,7 @@ skip their work without calling it, said once in the log and in the ``storage_di
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -185,7 +186,7 @@ class CacheController:
                 config.prefetch,
                 tree,
                 host,
-                self.alloc_host,
+                functools.partial(self.alloc_host, wait=False),
                 metrics=self.metrics,
                 tp=self.tp,
                 batch_pages=config.batch_pages,
@@ -310,14 +311,17 @@ class CacheController:
 
         return self.device.allocator.alloc_evicting(num_tokens, evict)
 
-    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc_host(self, num_tokens: int, *, wait: bool = True) -> torch.Tensor | None:
+        """Host slots for ``num_tokens``, evicting cached host copies rather than waiting for the
+        backups that pin freed pages (see ``PageAllocator.alloc_evicting``); only where eviction
+        cannot free enough does it wait for that I/O, or, with ``wait=False`` (the prefetcher's
+        reservations: the request tries again at a later step), return None."""
         assert self.host is not None
 
         def evict(tokens: int) -> None:
             self.metrics.add(host_evicted_tokens=self.tree.evict_host(tokens))
 
-        # Evict rather than wait for the backups pinning freed pages (see ``alloc_evicting``).
-        return self.host.allocator.alloc_evicting(num_tokens, evict, self.tp.scheduler.all_max)
+        return self.host.allocator.alloc_evicting(num_tokens, evict, self.tp.scheduler.all_max, wait=wait)
 
     # --- writes: device -> host -> storage ----------------------------------------------------
 

@@ -155,11 +155,12 @@ class PageAllocator:
         with self._lock:
             return len(self._free)
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Slots of ``ceil(num_tokens / page_size)`` fresh pages, or ``None`` if that many are not free."""
+    def alloc(self, num_tokens: int, *, wait: bool = True) -> torch.Tensor | None:
+        """Slots of ``ceil(num_tokens / page_size)`` fresh pages, or ``None`` if that many are not
+        free (``wait=False``: not free now, without waiting for pages freed under I/O)."""
         count = -(-num_tokens // self.page_size)
         with self._lock:
-            if count > len(self._free) + self._waitable():
+            if count > len(self._free) + (self._waitable() if wait else 0):
                 return None
             if count > len(self._free):
                 self._waiting += 1
@@ -175,7 +176,7 @@ class PageAllocator:
         return self.slots_of(pages)
 
     def alloc_evicting(
-        self, num_tokens: int, evict: Callable[[int], object], agree: Callable[[int], int] | None = None
+        self, num_tokens: int, evict: Callable[[int], object], agree: Callable[[int], int] | None = None, *, wait: bool = True
     ) -> torch.Tensor | None:
         """``alloc``; when too few pages are free, ``evict(tokens)`` the shortfall (whole pages of
         tokens) and try once more. ``None`` if eviction could not free enough.
@@ -194,7 +195,7 @@ class PageAllocator:
             missing = agree(short)
             if missing:
                 evict(missing * self.page_size)
-            return self.alloc(num_tokens)
+            return self.alloc(num_tokens, wait=wait)
         slots = self.alloc(num_tokens)
         if slots is None:
             evict((count - self.free_pages) * self.page_size)

@@ -179,6 +179,9 @@ class Prefetcher:
         self.config = config
         self.tree = tree
         self.host = host
+        #: Host pages for a number of tokens, evicting, without waiting for pages freed under I/O
+        #: (``CacheController.alloc_host``): a reservation short of them tries again at a later
+        #: step instead of holding the scheduler thread until storage backups return.
         self.alloc_host = alloc_host
         self.metrics = metrics
         self.tp = tp
@@ -335,8 +338,9 @@ class Prefetcher:
 
     def _reserve(self, op: PrefetchOp) -> tuple[tuple[torch.Tensor, list[SideFetch]] | None, bool]:
         """Host slots for ``op``'s pages and for its components' state, or None, holding
-        nothing, where a rank is short of either; and whether a rank's host pool was short of
-        the FULL pages. Agreed by all ranks (one collective).
+        nothing, where a rank is short of either now; and whether a rank's host pool would be
+        short of the FULL pages even once the I/O on its freed pages ends. Agreed by all ranks
+        (one collective).
 
         An op without its components' state would read FULL pages no request can resume at: a
         component short of host slots rate-limits the op as the FULL pool does."""
@@ -346,8 +350,15 @@ class Prefetcher:
             slots = self.alloc_host(op.pages * self.page_size)
             if slots is not None:
                 sides = self._reserve_sides(op)
-        # The worst shortfall of any rank: 2, the host pool's; 1, a component's; 0, none.
-        short = self.tp.scheduler.all_max(0 if sides is not None else 1 if skipped or slots is not None else 2)
+        # The worst shortfall of any rank: 2, the host pool's; 1, a component's, or host pages
+        # that are free once their I/O ends (``free_pages``: the same on every rank); 0, none.
+        if sides is not None:
+            short = 0
+        elif skipped or slots is not None or self.host.allocator.free_pages >= op.pages:
+            short = 1
+        else:
+            short = 2
+        short = self.tp.scheduler.all_max(short)
         if not short:
             assert slots is not None and sides is not None
             return (slots, sides), False

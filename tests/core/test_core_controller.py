@@ -160,6 +160,40 @@ def test_rate_limited_prefetch_keeps_its_hit_and_runs_later():
         controller.close()
 
 
+def test_a_prefetch_short_of_host_pages_under_io_tries_later_instead_of_waiting():
+    """A prefetch reservation runs on the scheduler thread: where its host pages are free only
+    once a storage backup pinning them returns (and no cached copy can be evicted for it), the
+    op is rate-limited and tried again at a later step, not waited for."""
+    controller = make_controller(page_size=2, host_pages=4, threshold_tokens=2, capacity_pages=4, stop_policy=StopPolicy.WAIT_COMPLETE)
+    backend = RecordingBackend()
+    tokens = list(range(8))
+    Store(backend).put_from(SCOPE.keys(page_hashes(tokens, 2)), [bytes(GEOMETRY.token_bytes * 2)] * 4)
+    controller.attach_storage(backend, SCOPE)
+    host = controller.host.allocator
+    detached = host.alloc(8)
+    assert detached is not None
+    host.pin_io(detached)  # a deleted node's pages, its backup still writing them
+    host.free(detached)
+    try:
+        op = plan(controller, tokens + [0])
+        assert op is not None and op.pages == 4
+        issued: list[bool] = []
+        caller = threading.Thread(target=lambda: issued.append(controller.prefetcher.try_issue(op)), daemon=True)
+        caller.start()
+        caller.join(HANG_GUARD_POLLS * 0.01)  # a guard against a hang, never a timing assertion
+        waited = caller.is_alive()
+        host.unpin_io(detached)  # the backup returns
+        caller.join(HANG_GUARD_POLLS * 0.01)
+        assert not waited, "the reservation held the scheduler thread until the backup returned"
+        assert issued == [False] and op.state is PrefetchState.PLANNED and op.pages == 4, "rate-limited, whole"
+        assert controller.prefetcher.try_issue(op), "the pages are free now: issued at the next try"
+        op.done.wait()
+        assert controller.prefetcher.finish(op) == 8
+        assert controller.metrics.snapshot()["prefetch_rate_limited"] == 1
+    finally:
+        controller.close()
+
+
 def test_timeout_formula_defaults():
     config = PrefetchConfig()
     assert (config.threshold_tokens, config.timeout_base_s, config.timeout_per_ki_token_s, config.timeout_max_s) == (256, 2.0, 0.1, 30.0)
