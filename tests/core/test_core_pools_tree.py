@@ -85,9 +85,9 @@ def test_alloc_evicting_with_agreement_evicts_instead_of_waiting_for_io_on_freed
 
     asked: list[int] = []
     got: list[torch.Tensor | None] = []
-    caller = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evict, lambda short: asked.append(short) or short)))
+    caller = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evict, lambda short: asked.append(short) or short)), daemon=True)
     caller.start()
-    caller.join(5.0)  # a guard against a hang, never a timing assertion
+    caller.join(30.0)  # a guard against a hang, never a timing assertion
     assert not caller.is_alive(), "the allocation waited for the I/O although eviction could free pages"
     assert asked == [2] and evicted == [4], "the shortfall of pages free now, agreed, then evicted"
     assert got[0] is not None and set(got[0].tolist()) == set(cached.tolist())
@@ -105,15 +105,15 @@ def test_alloc_evicting_with_agreement_evicts_instead_of_waiting_for_io_on_freed
     alloc.pin_io(under_io)
     alloc.free(under_io)
     evicted.clear()
-    waiter = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evicted.append)))
+    waiter = threading.Thread(target=lambda: got.append(alloc.alloc_evicting(4, evicted.append)), daemon=True)
     waiter.start()
-    for _ in range(500):
+    for _ in range(3000):  # a guard against a hang, never a timing assertion
         if alloc.awaited:
             break
         waiter.join(0.01)
     assert alloc.awaited and not evicted, "nothing evicted: it waits for the pages under I/O"
     alloc.unpin_io(under_io)
-    waiter.join(5.0)
+    waiter.join(30.0)
     assert not waiter.is_alive() and got[-1] is not None
 
 
