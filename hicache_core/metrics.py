@@ -39,6 +39,8 @@ class CacheCounters:
     storage_backup_failed_batches: int = 0
     # storage -> host
     prefetch_issued: int = 0
+    #: tries to issue a prefetch that found no room (the prefetch capacity, host pages free now
+    #: or once evicted, a component's slots); each is tried again at a later step
     prefetch_rate_limited: int = 0
     prefetch_revoked: int = 0
     prefetch_terminated_early: int = 0
