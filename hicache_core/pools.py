@@ -190,9 +190,7 @@ class PageAllocator:
         point (5.2-6.2 s -> 4.7-5.3 s a run, three pairs)."""
         count = -(-num_tokens // self.page_size)
         if agree is not None:
-            with self._lock:
-                short = max(0, count - len(self._free))
-            missing = agree(short)
+            missing = agree(max(0, count - self.idle_pages))
             if missing:
                 evict(missing * self.page_size)
             return self.alloc(num_tokens, wait=wait)
