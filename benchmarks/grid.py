@@ -24,6 +24,7 @@ from typing import Any
 
 from hicache_core.engine import CacheTiers
 
+from hicache_storage.benchmarks.multiturn.bound import wait_for_cleanups
 from hicache_storage.benchmarks.multiturn.runner import COMPUTE_PRESETS, PRESETS, BenchConfig, run_bench
 from hicache_storage.benchmarks.multiturn.workload import Workload
 from hicache_storage.benchmarks.stats import markdown_table
@@ -33,6 +34,9 @@ STORES = ("file", "redis", "s3", "mooncake")
 EXTRA_STORES = ("sglang-file",)
 #: The Mooncake storage node's segment: the long-history workload stores ~1.7 GB per run.
 MOONCAKE_SEGMENT_BYTES = 6 * 2**30
+#: The longest wait for the bench's removal of its timing pages before the servers stop (Mooncake
+#: removes them once its 10 s read leases expire).
+CLEANUP_WAIT_S = 30.0
 
 
 def start_servers(stores: list[str], stack: ExitStack, scratch: Path) -> dict[str, tuple[str, dict[str, Any] | None]]:
@@ -82,6 +86,9 @@ def start_servers(stores: list[str], stack: ExitStack, scratch: Path) -> dict[st
             configs[store] = ("mooncake", master.client_config())
         else:
             raise SystemExit(f"grid: unknown store {store!r}; choose from {', '.join(STORES + EXTRA_STORES)}")
+    # The bench removes its timing pages on a thread of its own once the store allows it
+    # (Mooncake: when the read leases expire); stop no server before those removals are done.
+    stack.callback(wait_for_cleanups, CLEANUP_WAIT_S)
     return configs
 
 

@@ -126,7 +126,8 @@ def measure_legs(config: EngineConfig, repeats: int = 5) -> Legs:
     the run to speeds no call of it could reach.
 
     Uses its own pools (a batch's pages each way) and its own namespace in the store (a fresh
-    tenant; pages deleted afterwards where the store can), so it leaves the run's cache untouched.
+    tenant), so it leaves the run's cache untouched. The timing's pages are removed on a thread
+    of its own once the store allows it (:func:`_remove_timing_pages`); the call does not wait.
     """
     if not isinstance(config.model, ModelConfig):
         raise TypeError(f"the legs are timed on a full-attention pool, not a {type(config.model).__name__}: pass the full pool's model")
@@ -226,7 +227,9 @@ def _storage_speeds(
     """Write and read speeds of whole pages between the host pool's ``slots`` and ``backend``
     (``config``'s store), as the controller calls it, and how much a read overlaps ``load`` (a
     copy from other host pages)."""
-    store = controller.storage_stack(create_backend(backend, config.storage_config))
+    connector = Store(create_backend(backend, config.storage_config))
+    store = controller.storage_stack(connector)
+    handed_over = False
     try:
         store.register_buffer(host.as_buffer())
         scope = KeyScope(
@@ -237,12 +240,10 @@ def _storage_speeds(
         pages = len(segments)
         size = pages * host.page_bytes
         writes, reads = [], []
-        keys: list[PageKey] = []
-        removable = store.capabilities.delete
+        written: list[PageKey] = []
         for attempt in range(repeats):
-            if keys and removable:
-                removable = _remove_timing_pages(store, keys, scope)
             keys = scope.keys([f"{attempt:08x}{page:056x}" for page in range(pages)])
+            written += keys
             started = time.perf_counter()
             stored = store.put_from(keys, segments)
             writes.append(time.perf_counter() - started)
@@ -254,29 +255,53 @@ def _storage_speeds(
                     f"measuring the store: {stored.count(False)} of {pages} writes and {read.count(False)} reads "
                     "failed; a store that refuses pages of this size cannot back the bench (see its capacity)"
                 )
-        last = keys
+        last = written[-pages:]
         overlap = _overlap(lambda: store.get_into(last, segments), min(reads), load, load_s, repeats)
-        if removable:
-            _remove_timing_pages(store, keys, scope)
+        cleanup = threading.Thread(
+            target=_remove_timing_pages, args=(connector, store, written, scope), name=CLEANUP_THREAD, daemon=False
+        )
+        cleanup.start()
+        handed_over = True
         return size / min(writes), size / min(reads), overlap
+    finally:
+        if not handed_over:
+            store.close()
+
+
+#: The name of the thread that removes a timing's pages (:func:`_remove_timing_pages`).
+CLEANUP_THREAD = "bench-legs-cleanup"
+
+
+def _remove_timing_pages(connector: Store, store: Store, keys: list[PageKey], scope: KeyScope) -> None:
+    """Remove the pages a timing wrote, then close ``store`` (the timed stack over ``connector``).
+
+    Runs on a thread of its own, through the connector without the controller's call timeout: a
+    store with read leases refuses a delete until the lease a read took expires (Mooncake's own
+    master holds one 10 s, its connector retries that long; behind the 5 s call timeout every
+    delete failed, the bench waited for it, and each timing left 1.2 GB in a Mooncake node).
+    Every timing writes fresh keys under its own tenant, so ``clear`` of that namespace removes
+    them all where the store can; a failure leaves them there, with a warning naming the tenant."""
+    try:
+        capabilities = connector.capabilities
+        if capabilities.clear:
+            connector.clear(scope.namespace)
+        elif capabilities.delete:
+            connector.delete(keys)
+    except StorageError as exc:
+        log.warning(
+            "measuring the store: removing %d timing pages failed (%s); they stay in the store under tenant %r",
+            len(keys), exc, scope.namespace.tenant,
+        )
     finally:
         store.close()
 
 
-def _remove_timing_pages(store: Store, keys: list[PageKey], scope: KeyScope) -> bool:
-    """Delete the pages one timing wrote; False, with a warning, when the store would not (the
-    rest are then left to it: each timing writes fresh keys under its own tenant). A store with read
-    leases refuses a delete until the lease a read just took expires: Mooncake's own master (10 s)
-    outlasts the store's call timeout, and the measurement stopped the bench there."""
-    try:
-        store.delete(keys)
-        return True
-    except StorageError as exc:
-        log.warning(
-            "measuring the store: deleting %d timing pages failed (%s); this and later timings' pages stay in the store under tenant %r",
-            len(keys), exc, scope.namespace.tenant,
-        )
-        return False
+def wait_for_cleanups(timeout_s: float | None = None) -> None:
+    """Wait until the timings' pages are removed (:data:`CLEANUP_THREAD`), each removal at most
+    ``timeout_s``: before the store's server stops, or to see the store emptied."""
+    for thread in threading.enumerate():
+        if thread.name == CLEANUP_THREAD:
+            thread.join(timeout_s)
 
 
 @dataclass(frozen=True)
