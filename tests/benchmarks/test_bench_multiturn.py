@@ -192,6 +192,50 @@ def test_timing_the_store_does_not_wait_for_its_pages_to_be_removed(monkeypatch)
     assert [(event.operation, event.fault) for event in faults.events] == [("clear", "hang")], "one removal of the whole timing"
 
 
+@pytest.fixture(scope="module")
+def mooncake_master_own_lease():
+    """A Mooncake master with its own read lease (10 s, as operators run it), not the tests' 300 ms."""
+    pytest.importorskip("mooncake.store", reason="needs mooncake-transfer-engine(-non-cuda)")
+    from hicache_storage.testing.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(lease_ttl_ms=None)
+    master.start()
+    yield master
+    master.stop()
+
+
+@pytest.mark.services
+def test_timing_a_mooncake_store_leaves_none_of_its_pages_there(mooncake_master_own_lease, monkeypatch, caplog):
+    """Against a real Mooncake master with its own 10 s read lease, longer than the store's call
+    timeout: every page the timing wrote is gone once its removal ends, and no removal was refused
+    (before, each timing's delete failed at the timeout and its pages stayed)."""
+    import logging
+    from dataclasses import replace
+
+    from hicache_storage import Store, create_backend
+    from hicache_storage.benchmarks.multiturn import bound
+    from hicache_storage.benchmarks.multiturn.runner import measure_bench_legs
+
+    master = mooncake_master_own_lease
+    written: list = []
+    put_from = Store.put_from
+
+    def recording(self, keys, sources):
+        written.extend(keys)
+        return put_from(self, keys, sources)
+
+    monkeypatch.setattr(Store, "put_from", recording)
+    config = replace(_legs_config(), backend="mooncake", backend_config=master.client_config())
+    with caplog.at_level(logging.WARNING, logger=bound.__name__):
+        measure_bench_legs(config)
+        bound.wait_for_cleanups(60)
+    monkeypatch.undo()
+    assert written and all(key.scope.namespace.tenant.startswith("legs-") for key in written)
+    with Store(create_backend("mooncake", master.client_config())) as store:
+        assert not any(store.exists(written)), "every timing page removed"
+    assert "timing pages failed" not in caplog.text and "did not answer" not in caplog.text
+
+
 def test_a_store_that_refuses_to_remove_the_timing_pages_keeps_them_with_a_warning(monkeypatch, caplog):
     import logging
 
